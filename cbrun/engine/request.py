@@ -106,6 +106,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stream: bool = False
+    stream_text: str = ""  # text already sent to the stream
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -1,0 +1,87 @@
+"""Paged attention, registered with transformers' AttentionInterface.
+
+transformers calls `paged_attention(module, query, key, value, mask, **kw)`
+once per layer with the new tokens' projections:
+
+    query  [1, H, T, D]      key/value [1, H_kv, T, D]      -> output [1, T, H, D]
+
+The function writes the new K/V into the layer's page pool, then attends:
+all single-query sequences (decodes) in one batched call over their gathered
+pages with a key bias, and each prefill chunk with SDPA (plain causal when
+the chunk has no cached prefix, else an explicit bottom-right causal mask).
+transformers builds no mask for our name, so the engine owns causality.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from cbrun.engine.batch import GroupLayout, PagedBatch, PrefillSeq
+
+ATTENTION_NAME = "cbrun_paged"
+BATCH_KWARG = "cbrun_batch"
+
+
+def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None,
+                    dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    batch: PagedBatch = kwargs[BATCH_KWARG]
+    layer = module.layer_idx
+    layout = batch.groups[batch.layer_groups[layer]]
+    k_pool, v_pool = batch.store.layer(layer)  # each [H_kv, NB, page, D]
+    _write(k_pool, v_pool, key[0], value[0], layout.write_slots)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    num_heads, num_tokens, head_dim = query.shape[1:]
+    out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
+    if batch.num_decode:
+        q = query[0, :, : batch.num_decode]  # [H, B, D]
+        out[: batch.num_decode] = _decode(q, k_pool, v_pool, layout, scale)
+    for seq in layout.prefills:
+        out[seq.start: seq.end] = _prefill(query, key, value, k_pool, v_pool, seq, scale)
+    return out.unsqueeze(0), None
+
+
+def _write(k_pool, v_pool, key, value, slots) -> None:
+    """Store the new tokens' K/V ([H_kv, T, D]) at their flat slots."""
+    num_kv, num_blocks, page, dim = k_pool.shape
+    k_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, key)
+    v_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, value)
+
+
+def _decode(q: torch.Tensor, k_pool, v_pool, layout: GroupLayout, scale: float) -> torch.Tensor:
+    """One query per sequence, all sequences at once: [H, B, D] -> [B, H, D]."""
+    num_heads, batch, dim = q.shape
+    num_kv = k_pool.shape[0]
+    group = num_heads // num_kv
+    keys = k_pool.index_select(1, layout.decode_pages).view(num_kv, batch, -1, dim)  # [H_kv, B, L, D]
+    values = v_pool.index_select(1, layout.decode_pages).view(num_kv, batch, -1, dim)
+    q = q.view(num_kv, group, batch, dim).transpose(1, 2)  # [H_kv, B, G, D]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [H_kv, B, G, L]
+    scores += layout.decode_bias  # [B, 1, L] broadcasts
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [H_kv, B, G, D]
+    return out.permute(1, 0, 2, 3).reshape(batch, num_heads, dim)
+
+
+def _prefill(query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float) -> torch.Tensor:
+    """One chunk of one sequence: [1, H, q, D] against its context -> [q, H, D]."""
+    q = query[:, :, seq.start: seq.end]  # [1, H, q, D]
+    if seq.new_kv_only:
+        k = key[:, :, seq.start: seq.end]  # [1, H_kv, q, D]
+        v = value[:, :, seq.start: seq.end]
+    else:
+        num_kv, _, _, dim = k_pool.shape
+        k = k_pool.index_select(1, seq.pages).view(1, num_kv, -1, dim)  # [1, H_kv, L, D]
+        v = v_pool.index_select(1, seq.pages).view(1, num_kv, -1, dim)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True,
+    )  # [1, H, q, D]
+    return out[0].transpose(0, 1)
+
+
+def register() -> str:
+    """Register our attention under a name of our own; returns the name."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    return ATTENTION_NAME

@@ -1,0 +1,165 @@
+"""Scheduled work -> flat model inputs and the per-step attention metadata.
+
+Tokens of all scheduled sequences are laid end to end in one `(1, T)` row,
+single-query sequences (decodes) first, then prefill chunks:
+
+    input_ids   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      T = 9
+    logits at   [  0  1  2 |          6  |     8 ]      last token of each finishing sequence
+
+`PagedBatch` is the one typed object the attention function receives each
+step (through the model's **kwargs); everything it needs per layer is built
+here once per step, not per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cbrun.engine.kv_cache import KVCacheManager
+from cbrun.engine.kv_store import KVStore
+from cbrun.engine.request import Request
+
+
+@dataclass
+class PrefillSeq:
+    """One multi-token chunk: flat token range and what its queries attend to."""
+
+    start: int
+    end: int
+    new_kv_only: bool  # context is exactly this chunk's own keys (no cached prefix)
+    pages: torch.Tensor | None  # [num_pages] block ids to gather when not new_kv_only
+    mask: torch.Tensor | None  # [q_len, kv_len] bool (True = attend); None = plain causal
+
+
+@dataclass
+class GroupLayout:
+    """Addresses for one attention type (full or sliding) in this step."""
+
+    write_slots: torch.Tensor  # [T] flat slot (block * page + offset) of each new token
+    decode_pages: torch.Tensor | None  # [num_decode * max_pages] block ids, padded
+    decode_bias: torch.Tensor | None  # [num_decode, 1, max_pages * page] 0 or -inf, fp32
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+@dataclass
+class PagedBatch:
+    """Everything one forward pass needs, built once per step."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    logits_indices: torch.Tensor  # [N] flat index of each sampled sequence's last token
+    sampled: list[Request]  # the N requests that get a token this step
+    num_decode: int  # leading single-query sequences
+    groups: dict[str, GroupLayout]
+    store: KVStore
+    layer_groups: tuple[str, ...]  # attention type of each layer: "full" or "sliding"
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+class BatchBuilder:
+    """Turns (request, new tokens) pairs into a PagedBatch for the cache's allocators."""
+
+    def __init__(self, cache: KVCacheManager, store: KVStore, layer_groups: tuple[str, ...],
+                 page_size: int, sliding_window: int | None, device: torch.device) -> None:
+        self.cache = cache
+        self.store = store
+        self.layer_groups = layer_groups
+        self.page_size = page_size
+        self.window = sliding_window
+        self.device = device
+
+    def build(self, items: list[tuple[Request, int]]) -> PagedBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Request] = []
+        for request, count in items:
+            start = request.num_computed_tokens
+            ids.extend(request.all_token_ids[start:start + count])
+            positions.extend(range(start, start + count))
+            if start + count == request.num_tokens:
+                logits_rows.append(len(ids) - 1)
+                sampled.append(request)
+        num_decode = sum(1 for _, count in items if count == 1)
+        groups = {name: self._layout(name, items, num_decode) for name in self.cache.allocators}
+        as_long = dict(dtype=torch.long, device=self.device)
+        return PagedBatch(
+            input_ids=torch.tensor([ids], **as_long),
+            position_ids=torch.tensor([positions], **as_long),
+            logits_indices=torch.tensor(logits_rows, **as_long),
+            sampled=sampled,
+            num_decode=num_decode,
+            groups=groups,
+            store=self.store,
+            layer_groups=self.layer_groups,
+        )
+
+    # -- per attention type -------------------------------------------------
+    def _layout(self, group: str, items: list[tuple[Request, int]], num_decode: int) -> GroupLayout:
+        page = self.page_size
+        window = self.window if group == "sliding" else None
+        slots: list[int] = []
+        tables = []
+        for request, count in items:
+            table = self.cache.allocators[group].table(request.key)
+            first = self.cache.first_page(group, request.key)
+            tables.append((table, first))
+            for pos in range(request.num_computed_tokens, request.num_computed_tokens + count):
+                slots.append(table[pos // page - first] * page + pos % page)
+        layout = GroupLayout(
+            write_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            decode_pages=None,
+            decode_bias=None,
+        )
+        if num_decode:
+            self._decode_layout(layout, items[:num_decode], tables[:num_decode], window)
+        offset = num_decode
+        for (request, count), (table, first) in zip(items[num_decode:], tables[num_decode:]):
+            layout.prefills.append(self._prefill_seq(request, count, offset, table, first, window))
+            offset += count
+        return layout
+
+    def _decode_layout(self, layout: GroupLayout, items, tables, window: int | None) -> None:
+        """Padded page lists and a key bias for all single-query sequences at once."""
+        page = self.page_size
+        max_pages = max(len(table) for table, _ in tables)
+        padded = [table + [table[0]] * (max_pages - len(table)) for table, _ in tables]
+        first = torch.tensor([f for _, f in tables], dtype=torch.long)  # [B]
+        kv_len = torch.tensor([r.num_computed_tokens + 1 for r, _ in items], dtype=torch.long)  # [B]
+        offsets = torch.arange(max_pages * page, dtype=torch.long)  # [L]
+        key_pos = first[:, None] * page + offsets[None, :]  # [B, L]
+        valid = key_pos < kv_len[:, None]
+        if window is not None:
+            valid &= key_pos > kv_len[:, None] - 1 - window
+        bias = torch.zeros(valid.shape, dtype=torch.float32)
+        bias.masked_fill_(~valid, float("-inf"))
+        layout.decode_pages = torch.tensor(padded, dtype=torch.long).view(-1).to(self.device)
+        layout.decode_bias = bias[:, None, :].to(self.device)  # [B, 1, L]
+
+    def _prefill_seq(self, request: Request, count: int, offset: int, table: list[int],
+                     first: int, window: int | None) -> PrefillSeq:
+        start = request.num_computed_tokens
+        query_pos = torch.arange(start, start + count)  # [q]
+        if start == 0:
+            mask = None
+            if window is not None and count > window:
+                key_pos = torch.arange(count)
+                mask = _causal_window(query_pos, key_pos, window).to(self.device)
+            return PrefillSeq(offset, offset + count, True, None, mask)
+        key_pos = first * self.page_size + torch.arange(len(table) * self.page_size)  # [L]
+        mask = _causal_window(query_pos, key_pos, window)
+        pages = torch.tensor(table, dtype=torch.long, device=self.device)
+        return PrefillSeq(offset, offset + count, False, pages, mask.to(self.device))
+
+
+def _causal_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[q, k] bool: key at or before the query, and within the window if any."""
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > query_pos[:, None] - window
+    return allowed

@@ -1,0 +1,219 @@
+"""The synchronous engine core: one `step()` is schedule -> build -> forward -> sample -> update.
+
+No threads here: `Engine` (engine.py) runs `step()` in a background loop and
+owns queues, results and streams. Keeping the core synchronous makes it easy
+to test and to reason about: read `step()` and you know the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cbrun.engine.attention import register as register_attention
+from cbrun.engine.batch import BatchBuilder
+from cbrun.engine.config import EngineConfig, StatsSnapshot
+from cbrun.engine.detokenize import Detokenizer
+from cbrun.engine.kv_cache import KVCacheManager
+from cbrun.engine.kv_store import KVStore
+from cbrun.engine.model_spec import ModelSpec, default_device, read_model_spec
+from cbrun.engine.offload import SoftResetPreemptor
+from cbrun.engine.request import Request, RequestStatus
+from cbrun.engine.runner import ModelRunner
+from cbrun.engine.sampler import sample
+from cbrun.engine.sizing import choose_num_blocks
+from cbrun.engine.scheduler import Scheduler
+
+log = logging.getLogger("cbrun.engine")
+
+
+@dataclass
+class TokenEvent:
+    """One token appended to a request this step (for streams)."""
+
+    request: Request
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass
+class StepOutcome:
+    finished: list[Request] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
+
+
+class EngineCore:
+    """Owns the model, the cache, the scheduler and every live request."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig) -> None:
+        self.config = config
+        self.spec: ModelSpec = read_model_spec(model, tokenizer)
+        self.device = default_device(model)
+        model.set_attn_implementation(register_attention())
+        model.eval()
+        self.model = model
+        num_blocks = config.num_blocks or choose_num_blocks(
+            self.spec, config, self.device, model.config.hidden_size)
+        self.cache = KVCacheManager(
+            num_blocks, config.page_size, sliding_window=self.spec.sliding_window,
+            has_full_layers=self.spec.has_full_layers, allow_block_sharing=config.allow_block_sharing,
+        )
+        if config.allow_block_sharing and not self.cache.sharing:
+            log.info("prefix caching is off: the model has sliding-window layers")
+        self.store = KVStore(self.spec.kv, num_blocks, config.page_size, self.device)
+        self.preemptor = SoftResetPreemptor(self.cache)
+        self.scheduler = Scheduler(config, self.cache, self.preemptor)
+        self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
+                                    self.spec.sliding_window, self.device)
+        self.runner = ModelRunner(model)
+        self.detok = Detokenizer(tokenizer)
+        self._stats = StatsSnapshot(blocks_total=num_blocks)
+        self._started = time.perf_counter()
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, config.page_size,
+                 self.store.nbytes / 2**30, self.spec.kv.dtype)
+
+    # -- requests ---------------------------------------------------------
+    def validate(self, prompt_ids: list[int], max_tokens: int) -> str | None:
+        """Why this prompt cannot run, or None."""
+        if not prompt_ids:
+            return "empty prompt"
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size), None)
+        if bad is not None:
+            return f"token id {bad!r} is outside the vocabulary (0..{self.spec.vocab_size - 1})"
+        total = len(prompt_ids) + max_tokens
+        if total > self.spec.max_context:
+            return (f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                    f"the model's context of {self.spec.max_context} tokens")
+        needed = self.cache.max_blocks_for(len(prompt_ids) + 1)
+        if needed > self.cache.pool.num_blocks:
+            return (f"prompt needs {needed} KV-cache blocks but the whole cache has "
+                    f"{self.cache.pool.num_blocks}; raise num_blocks or shorten the prompt")
+        return None
+
+    def add(self, request: Request) -> None:
+        self._stats.prompt_tokens += request.num_prompt_tokens
+        self.scheduler.add(request)
+
+    def remove(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> None:
+        """End a live request now: its blocks go back to the pool at once."""
+        self.scheduler.remove(request)
+        self.preemptor.discard(request)
+        self._finish(request, status, reason, error)
+
+    def live_requests(self) -> list[Request]:
+        return self.scheduler.running + self.scheduler.waiting
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -----------------------------------------------------------
+    def step(self) -> StepOutcome:
+        """Run one forward over the scheduled work and apply its results."""
+        outcome = StepOutcome()
+        started = time.perf_counter()
+        batch_plan = self.scheduler.schedule()
+        for request, message in batch_plan.failed:
+            self._finish(request, RequestStatus.FAILED, "error", message)
+            outcome.finished.append(request)
+        if not batch_plan:
+            return outcome
+        batch = self.builder.build(batch_plan.items)
+        try:
+            logits = self.runner.forward(batch)  # [N, V]
+            picked = sample(logits, batch.sampled) if batch.sampled else None
+        except Exception as exc:  # a failing forward fails its batch, not the engine
+            log.exception("forward failed")
+            for request, _ in batch_plan.items:
+                self.remove(request, RequestStatus.FAILED, "error", f"forward failed: {type(exc).__name__}: {exc}")
+                outcome.finished.append(request)
+            return outcome
+        self._advance(batch_plan.items)
+        if picked is not None:
+            for row, request in enumerate(batch.sampled):
+                top = picked.top[row] if picked.top is not None else None
+                self._append(request, picked.token_ids[row], picked.logprobs[row], top, outcome)
+        self._record_step(batch.num_decode, time.perf_counter() - started)
+        return outcome
+
+    def _advance(self, items) -> None:
+        for request, count in items:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self._stats.computed_prompt_tokens += min(count, request.num_prompt_tokens - request.num_computed_tokens)
+            request.num_computed_tokens += count
+            self.cache.commit(request.key, request.all_token_ids, request.num_computed_tokens)
+            request.status = RequestStatus.PREFILLING if request.is_prefilling else RequestStatus.DECODING
+
+    def _append(self, request: Request, token: int, logprob: float, top, outcome: StepOutcome) -> None:
+        """Add a sampled token, then end the request if a stop condition holds."""
+        request.all_token_ids.append(token)
+        request.logprobs.append(logprob)
+        if request.top_logprobs is not None and top is not None:
+            request.top_logprobs.append(top)
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+        self._stats.generated_tokens += 1
+        reason = self._stop_reason(request, token)
+        if request.stream:
+            delta = self.detok.stream_delta(request) if reason is None else ""
+            outcome.tokens.append(TokenEvent(request, token, logprob, delta))
+        if reason is not None:
+            self.scheduler.remove(request)
+            self._finish(request, RequestStatus.FINISHED, reason)
+            outcome.finished.append(request)
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.sampling
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self.spec.eos_token_ids:
+            return "stop"
+        if self.detok.stop_string_hit(request):
+            return "stop"
+        if request.num_generated >= params.max_tokens or request.num_tokens >= self.spec.max_context:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> None:
+        request.status = status
+        request.finish_reason = reason
+        request.error = error
+        request.finish_time = time.perf_counter()
+        request.text = self.detok.final_text(request) if request.num_generated else ""
+        counter = {RequestStatus.FINISHED: "finished", RequestStatus.FAILED: "failed",
+                   RequestStatus.CANCELLED: "cancelled"}[status]
+        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+
+    # -- statistics ---------------------------------------------------------
+    def _record_step(self, decodes: int, seconds: float) -> None:
+        stats = self._stats
+        stats.steps += 1
+        stats.busy_s += seconds
+        if decodes:
+            stats.decode_steps += 1
+            stats.decode_batch_tokens += decodes
+        stats.peak_blocks_used = max(stats.peak_blocks_used, self.cache.pool.num_used)
+
+    def stats(self) -> StatsSnapshot:
+        """A copy of the counters with current queue and cache occupancy filled in."""
+        snap = StatsSnapshot(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
+        scheduler, pool = self.scheduler, self.cache.pool
+        snap.pending = sum(1 for r in scheduler.waiting if r.status is not RequestStatus.OFFLOADED)
+        snap.offloaded = sum(1 for r in scheduler.waiting if r.status is RequestStatus.OFFLOADED)
+        snap.prefilling = sum(1 for r in scheduler.running if r.is_prefilling)
+        snap.decoding = len(scheduler.running) - snap.prefilling
+        snap.blocks_used = pool.num_used
+        snap.blocks_cached = pool.num_cached
+        snap.blocks_free = pool.num_free - pool.num_cached
+        snap.prefix_hit_tokens = scheduler.prefix_hit_tokens
+        counters = self.preemptor.counters
+        snap.offloads, snap.restores, snap.soft_resets = counters.offloads, counters.restores, counters.soft_resets
+        snap.elapsed_s = time.perf_counter() - self._started
+        return snap
+
+    def reset_clock(self) -> None:
+        """Start the throughput clock now (e.g. when the first request arrives)."""
+        self._started = time.perf_counter()

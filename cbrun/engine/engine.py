@@ -1,0 +1,256 @@
+"""The public engine: a background thread stepping `EngineCore`, plus the request API.
+
+Callers add requests from any thread; the loop thread drains them into the
+scheduler, runs steps, and hands finished results to a `ResultStore` and
+per-token chunks to streams. One lock guards the core: a cancel therefore
+takes effect between steps, and the request's blocks are free when
+`cancel_request` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import secrets
+import threading
+from collections import deque
+from typing import Iterator, Sequence
+
+from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
+from cbrun.engine.core import EngineCore, StepOutcome
+from cbrun.engine.request import GenerationOutput, Request, RequestStatus, StreamChunk
+from cbrun.engine.results import ResultStore
+
+log = logging.getLogger("cbrun.engine")
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    """Continuous-batching generation over a stock transformers causal LM."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.core = EngineCore(model, tokenizer, self.config)
+        self.max_context = self.core.spec.max_context
+        self.vocab_size = self.core.spec.vocab_size
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: deque[Request] = deque()
+        self._results = ResultStore()
+        self._streams: dict[str, tuple[queue.Queue, int]] = {}  # id -> (chunks, samples)
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._draining = False
+        self._closed = False
+        self._idle = True
+        self._thread = threading.Thread(target=self._loop, name="cbrun-engine", daemon=True)
+        self._thread.start()
+
+    # -- submitting ---------------------------------------------------------
+    def add_request(self, prompt: Prompt, sampling: SamplingParams | dict | None = None,
+                    request_id: str | None = None, *, stream: bool = False) -> str:
+        """Queue one prompt (text or token ids); returns its id. Never raises for a bad request:
+        it finishes with finish_reason "error" and a message instead."""
+        return self._submit([(prompt, sampling, request_id)], stream)[0]
+
+    def add_requests(self, prompts: Sequence[Prompt], sampling: SamplingParams | dict | None = None,
+                     request_ids: Sequence[str] | None = None) -> list[str]:
+        """Queue many prompts, submitted in token-id order so shared prefixes hit the cache."""
+        ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        if len(ids) != len(prompts):
+            raise ValueError("request_ids must have one id per prompt")
+        return self._submit([(p, sampling, i) for p, i in zip(prompts, ids)], stream=False, sort=True)
+
+    def _submit(self, entries, stream: bool, sort: bool = False) -> list[str]:
+        prepared = [self._prepare(prompt, sampling, rid, stream) for prompt, sampling, rid in entries]
+        order = sorted(range(len(prepared)), key=lambda i: prepared[i][1]) if sort else range(len(prepared))
+        with self._lock:
+            if self._closed or self._draining:
+                raise RuntimeError("engine is stopped; no new requests are accepted")
+            for index in order:
+                self._enqueue(*prepared[index])
+            self._wake.notify()
+        return [p[0] for p in prepared]
+
+    def _prepare(self, prompt, sampling, request_id, stream):
+        """Tokenize and validate outside the lock; returns (id, token ids, params, error)."""
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        error = None
+        params = SamplingParams()
+        try:
+            params = _as_params(sampling)
+        except (ConfigError, TypeError) as exc:
+            error = f"invalid sampling parameters: {exc}"
+        ids = self._tokenize(prompt)
+        if isinstance(ids, str):
+            error, ids = error or ids, []
+        if error is None:
+            error = self.core.validate(ids, params.max_tokens)
+        if stream:
+            self._streams.setdefault(rid, (queue.Queue(), params.n))
+        return rid, ids, params, error, stream
+
+    def _tokenize(self, prompt) -> list[int] | str:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                return "text prompt given but the engine has no tokenizer"
+            return list(self.tokenizer.encode(prompt))
+        try:
+            return [int(t) if not isinstance(t, bool) and float(t) == int(t) else t for t in prompt]
+        except (TypeError, ValueError):
+            return "prompt must be text or a list of token ids"
+
+    def _enqueue(self, rid: str, ids: list[int], params: SamplingParams, error: str | None, stream: bool) -> None:
+        if error is None and self._results.is_active(rid):
+            error = f"duplicate request id {rid!r}: a request with this id is still running"
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._results.expect(rid, params.n, stream)
+        for sample_index in range(params.n):
+            request = Request(rid, sample_index, ids, params, seed, next(self._arrivals), stream=stream)
+            if error is not None:
+                request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", error
+                self._deliver_finished(request)
+            else:
+                self._inbox.append(request)
+
+    # -- the loop -----------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._inbox:
+                    self.core.add(self._inbox.popleft())
+                if not self.core.has_work():
+                    self._idle = True
+                    if self._closed or self._draining:
+                        return
+                    self._wake.wait(timeout=0.5)
+                    continue
+                if self._idle:
+                    self._idle = False
+                outcome = self.core.step()
+                self._publish(outcome)
+
+    def _publish(self, outcome: StepOutcome) -> None:
+        for event in outcome.tokens:
+            chunk = StreamChunk(event.request.request_id, event.request.sample_index, event.token_id,
+                                event.logprob, event.text)
+            self._streams[event.request.request_id][0].put(chunk)
+        for request in outcome.finished:
+            self._deliver_finished(request)
+
+    def _deliver_finished(self, request: Request) -> None:
+        output = request.to_output()
+        if request.stream:
+            sent = request.stream_text
+            tail = output.text[len(sent):] if output.text.startswith(sent) else ""
+            self._streams[request.request_id][0].put(StreamChunk(
+                request.request_id, request.sample_index, None, None, tail,
+                finish_reason=output.finish_reason, error=output.error))
+        self._results.put(output)
+
+    # -- results --------------------------------------------------------------
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next finished result (of `request_id`, or of any request), or None on timeout."""
+        return self._results.get(request_id, timeout)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Finished results as they come, until every submitted request has been returned."""
+        while self._results.num_unreturned():
+            output = self._results.get(None, timeout=None)
+            if output is not None:
+                yield output
+
+    def stream(self, request_id: str) -> Iterator[StreamChunk]:
+        """Per-token chunks of a request added with stream=True, in order; the last has finish_reason."""
+        entry = self._streams.get(request_id)
+        if entry is None:
+            raise KeyError(f"request {request_id!r} was not added with stream=True")
+        chunks, remaining = entry
+        while remaining:
+            chunk = chunks.get()
+            if chunk.finish_reason is not None:
+                remaining -= 1
+            yield chunk
+        self._streams.pop(request_id, None)
+
+    def generate_batch(self, prompts: Sequence[Prompt], sampling: SamplingParams | dict | None = None,
+                       request_ids: Sequence[str] | None = None) -> list[GenerationOutput]:
+        """Blocking: results in input order, samples of one prompt adjacent (len = prompts x n)."""
+        ids = request_ids or [f"batch-{next(self._ids)}" for _ in prompts]
+        self.add_requests(prompts, sampling, ids)
+        outputs = []
+        for rid in ids:
+            samples = [self._results.get(rid, timeout=None) for _ in range(self._results.expected_samples(rid))]
+            outputs.extend(sorted(samples, key=lambda o: o.sample_index))
+        return outputs
+
+    def cancel_request(self, request_id: str) -> bool:
+        """Cancel every sample of a request; its blocks are free when this returns."""
+        with self._lock:
+            found = [r for r in list(self._inbox) if r.request_id == request_id]
+            for request in found:
+                self._inbox.remove(request)
+            live = [r for r in self.core.live_requests() if r.request_id == request_id]
+            for request in found + live:
+                if request in live:
+                    self.core.remove(request, RequestStatus.CANCELLED, "cancelled")
+                else:
+                    request.status, request.finish_reason = RequestStatus.CANCELLED, "cancelled"
+                self._deliver_finished(request)
+            return bool(found or live)
+
+    def num_unfinished(self) -> int:
+        """Submitted results not yet returned by get_result or iteration."""
+        return self._results.num_unreturned()
+
+    def stats(self) -> StatsSnapshot:
+        with self._lock:
+            return self.core.stats()
+
+    # -- shutdown -------------------------------------------------------------
+    def stop(self, hard: bool = False, timeout: float | None = None) -> None:
+        """Drain (finish queued and active requests), or with hard=True fail them now."""
+        with self._lock:
+            self._draining = True
+            if hard:
+                self._fail_all("engine stopped before the request finished")
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _fail_all(self, message: str) -> None:
+        pending = list(self._inbox) + self.core.live_requests()
+        self._inbox.clear()
+        for request in pending:
+            if request in self.core.live_requests():
+                self.core.remove(request, RequestStatus.FAILED, "error", message)
+            else:
+                request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", message
+            self._deliver_finished(request)
+
+    def destroy(self) -> None:
+        """Stop now and release the cache memory."""
+        if self._thread.is_alive():
+            self.stop(hard=True)
+        with self._lock:
+            self._closed = True
+            self.core.store.data = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop(hard=exc[0] is not None)
+        self.destroy()
+
+
+def _as_params(sampling) -> SamplingParams:
+    if sampling is None:
+        return SamplingParams()
+    if isinstance(sampling, SamplingParams):
+        return sampling
+    if isinstance(sampling, dict):
+        return SamplingParams(**sampling)
+    raise TypeError(f"sampling must be SamplingParams or dict, got {type(sampling).__name__}")

@@ -1,0 +1,352 @@
+"""Paged KV-cache bookkeeping: the block pool, allocators and the prefix cache.
+
+Plain Python, no torch: which page holds which tokens of which request is
+decided here; the tensors live in `kv_store.py`. A block is one page (of
+`page_size` tokens) in every layer that uses that allocator's attention type.
+
+Blocks are reference counted. A freed block whose content was hashed stays
+"cached": it is free, but a later request with the same prefix can take it
+back. Cached blocks are evicted (their hash dropped) only when no never-used
+block is left, oldest first, and a sequence's tail blocks before its head, so
+the shared heads of prefixes survive longest.
+
+    pool:  [ used (ref>0) | cached (ref 0, hashed, LRU) | uninitialized ]
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+RequestKey = Hashable
+
+
+def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """Stable content hash of one full block, chained with its parent's.
+
+    blake2b over the parent hash and the token ids as int64 bytes: the same
+    on every run and process (Python's `hash()` is salted).
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        digest.update(parent)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+class BlockPool:
+    """A fixed set of block ids with reference counts and a content-hash index."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_count = [0] * num_blocks
+        self._uninitialized: list[int] = list(range(num_blocks - 1, -1, -1))  # LIFO: reuse warm pages first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: first = evict first
+        self._hash_of: dict[int, bytes] = {}
+        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.evictions = 0
+
+    # -- capacity -------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (never-used plus cached)."""
+        return len(self._uninitialized) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    # -- allocation -----------------------------------------------------
+    def allocate(self, count: int) -> list[int] | None:
+        """Take `count` fresh blocks (ref 1), or None and take nothing."""
+        if count > self.num_free:
+            return None
+        blocks = []
+        for _ in range(count):
+            if self._uninitialized:
+                block = self._uninitialized.pop()
+            else:
+                block, _ = self._cached.popitem(last=False)
+                self._forget(block)
+                self.evictions += 1
+            self.ref_count[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference from each block; blocks reaching zero become free.
+
+        Callers pass a sequence's blocks tail first so that its tail is
+        evicted before the shared head.
+        """
+        for block in blocks:
+            count = self.ref_count[block] - 1
+            if count < 0:
+                raise RuntimeError(f"block {block} released more often than taken")
+            self.ref_count[block] = count
+            if count == 0:
+                if block in self._hash_of:
+                    self._cached[block] = None
+                else:
+                    self._uninitialized.append(block)
+
+    # -- prefix cache ---------------------------------------------------
+    def lookup(self, block_hash: bytes, tokens: Sequence[int]) -> int | None:
+        """The block holding exactly these tokens under this hash chain, if any."""
+        block = self._block_of.get(block_hash)
+        if block is None or self._tokens_of[block] != tuple(tokens):
+            return None
+        return block
+
+    def share(self, block: int) -> None:
+        """Take one more reference to a hashed block (reviving it if cached)."""
+        if self.ref_count[block] == 0:
+            del self._cached[block]
+        self.ref_count[block] += 1
+
+    def register(self, block: int, block_hash: bytes, tokens: Sequence[int]) -> None:
+        """Record that `block` now holds these tokens (first writer wins)."""
+        if block_hash in self._block_of or block in self._hash_of:
+            return
+        self._hash_of[block] = block_hash
+        self._tokens_of[block] = tuple(tokens)
+        self._block_of[block_hash] = block
+
+    def _forget(self, block: int) -> None:
+        block_hash = self._hash_of.pop(block)
+        del self._tokens_of[block]
+        del self._block_of[block_hash]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests call this)."""
+        free_ids = list(self._uninitialized) + list(self._cached)
+        assert len(set(free_ids)) == len(free_ids), "a block is free twice"
+        for block in free_ids:
+            assert self.ref_count[block] == 0, f"free block {block} has references"
+        used = sum(1 for count in self.ref_count if count > 0)
+        assert used + len(free_ids) == self.num_blocks, "free + used != total"
+        assert all(count >= 0 for count in self.ref_count), "negative reference count"
+        for block in self._cached:
+            assert block in self._hash_of, "cached block without hash"
+        for block_hash, block in self._block_of.items():
+            assert self._hash_of[block] == block_hash, "hash maps disagree"
+
+
+class FullAttentionAllocator:
+    """Block tables for full-attention layers: one block per page of every token.
+
+    Supports prefix sharing: full blocks are registered in the pool by their
+    chained content hash once all their tokens are computed.
+    """
+
+    supports_sharing = True
+
+    def __init__(self, pool: BlockPool, page_size: int, share_prefixes: bool) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.share_prefixes = share_prefixes
+        self.tables: dict[RequestKey, list[int]] = {}
+        self._hashes: dict[RequestKey, list[bytes]] = {}
+
+    def blocks_needed(self, key: RequestKey, num_tokens: int) -> int:
+        """New blocks required so that `num_tokens` tokens have a slot."""
+        have = len(self.tables.get(key, ()))
+        return max(0, -(-num_tokens // self.page_size) - have)
+
+    def allocate(self, key: RequestKey, num_tokens: int) -> bool:
+        """Grow the table to hold `num_tokens` tokens; False (and no change) if the pool is short."""
+        needed = self.blocks_needed(key, num_tokens)
+        if needed == 0:
+            self.tables.setdefault(key, [])
+            return True
+        blocks = self.pool.allocate(needed)
+        if blocks is None:
+            return False
+        self.tables.setdefault(key, []).extend(blocks)
+        return True
+
+    def match_prefix(self, key: RequestKey, token_ids: Sequence[int]) -> int:
+        """Attach cached blocks for the longest hashed prefix; returns tokens reused.
+
+        The last token is never matched: its logits are needed, so at least
+        one token is always computed.
+        """
+        if not self.share_prefixes or self.tables.get(key):
+            return 0
+        page = self.page_size
+        hashes: list[bytes] = []
+        blocks: list[int] = []
+        parent = None
+        for start in range(0, len(token_ids) - 1 - page + 1, page):
+            tokens = token_ids[start:start + page]
+            block_hash = chain_hash(parent, tokens)
+            block = self.pool.lookup(block_hash, tokens)
+            if block is None:
+                break
+            hashes.append(block_hash)
+            blocks.append(block)
+            parent = block_hash
+        for block in blocks:
+            self.pool.share(block)
+        self.tables[key] = blocks
+        self._hashes[key] = hashes
+        return len(blocks) * page
+
+    def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int) -> None:
+        """Hash and register every block whose tokens are now all computed."""
+        if not self.share_prefixes:
+            return
+        table = self.tables.get(key, [])
+        hashes = self._hashes.setdefault(key, [])
+        page = self.page_size
+        while len(hashes) < min(num_computed // page, len(table)):
+            index = len(hashes)
+            tokens = token_ids[index * page:(index + 1) * page]
+            block_hash = chain_hash(hashes[-1] if hashes else None, tokens)
+            self.pool.register(table[index], block_hash, tokens)
+            hashes.append(block_hash)
+
+    def free(self, key: RequestKey) -> None:
+        """Release the request's blocks (tail first); cached content survives."""
+        table = self.tables.pop(key, [])
+        self._hashes.pop(key, None)
+        self.pool.release(table[::-1])
+
+    def table(self, key: RequestKey) -> list[int]:
+        return self.tables.get(key, [])
+
+
+class SlidingWindowAllocator:
+    """Block tables for sliding-window layers: only the last `window` tokens are kept.
+
+    The table covers pages from `first_page[key]` on; pages that fall wholly
+    outside the window of every future query are released and recycled, so a
+    request holds at most about window / page_size + 2 blocks.
+    """
+
+    supports_sharing = False
+
+    def __init__(self, pool: BlockPool, page_size: int, window: int) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.window = window
+        self.tables: dict[RequestKey, list[int]] = {}
+        self.first_page: dict[RequestKey, int] = {}
+
+    def _pages_in_use(self, key: RequestKey, num_computed: int) -> int:
+        """Index of the first page some future query may still read."""
+        oldest_needed = max(0, num_computed - self.window + 1)
+        return oldest_needed // self.page_size
+
+    def blocks_needed(self, key: RequestKey, num_tokens: int) -> int:
+        covered = self.first_page.get(key, 0) + len(self.tables.get(key, ()))
+        return max(0, -(-num_tokens // self.page_size) - covered)
+
+    def allocate(self, key: RequestKey, num_tokens: int) -> bool:
+        needed = self.blocks_needed(key, num_tokens)
+        self.first_page.setdefault(key, 0)
+        if needed == 0:
+            self.tables.setdefault(key, [])
+            return True
+        blocks = self.pool.allocate(needed)
+        if blocks is None:
+            return False
+        self.tables.setdefault(key, []).extend(blocks)
+        return True
+
+    def match_prefix(self, key: RequestKey, token_ids: Sequence[int]) -> int:
+        return 0
+
+    def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int) -> None:
+        """Release pages that no future query can attend to."""
+        table = self.tables.get(key)
+        if not table:
+            return
+        keep_from = self._pages_in_use(key, num_computed)
+        drop = min(keep_from - self.first_page[key], len(table) - 1)
+        if drop > 0:
+            self.pool.release(table[:drop][::-1])
+            del table[:drop]
+            self.first_page[key] += drop
+
+    def free(self, key: RequestKey) -> None:
+        table = self.tables.pop(key, [])
+        self.first_page.pop(key, None)
+        self.pool.release(table[::-1])
+
+    def table(self, key: RequestKey) -> list[int]:
+        return self.tables.get(key, [])
+
+
+class KVCacheManager:
+    """All allocators of a model over one pool; every operation is all-or-nothing.
+
+    A model has one allocator per attention type ("full", "sliding"). A
+    request is admitted or grown only if every allocator has room; prefix
+    sharing is on only when every allocator supports it.
+    """
+
+    def __init__(self, num_blocks: int, page_size: int, *, sliding_window: int | None,
+                 has_full_layers: bool, allow_block_sharing: bool) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.page_size = page_size
+        self.allocators: dict[str, FullAttentionAllocator | SlidingWindowAllocator] = {}
+        if sliding_window is not None:
+            self.allocators["sliding"] = SlidingWindowAllocator(self.pool, page_size, sliding_window)
+        share = allow_block_sharing and sliding_window is None
+        if has_full_layers:
+            self.allocators["full"] = FullAttentionAllocator(self.pool, page_size, share)
+        self.sharing = share
+
+    def blocks_needed(self, key: RequestKey, num_tokens: int) -> int:
+        return sum(a.blocks_needed(key, num_tokens) for a in self.allocators.values())
+
+    def can_allocate(self, key: RequestKey, num_tokens: int) -> bool:
+        return self.blocks_needed(key, num_tokens) <= self.pool.num_free
+
+    def allocate(self, key: RequestKey, num_tokens: int) -> bool:
+        """Give the request slots for `num_tokens` tokens in every allocator, or change nothing."""
+        if not self.can_allocate(key, num_tokens):
+            return False
+        for allocator in self.allocators.values():
+            ok = allocator.allocate(key, num_tokens)
+            assert ok, "pool shrank between check and allocation"
+        return True
+
+    def match_prefix(self, key: RequestKey, token_ids: Sequence[int]) -> int:
+        if not self.sharing:
+            return 0
+        return self.allocators["full"].match_prefix(key, token_ids)
+
+    def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int) -> None:
+        for allocator in self.allocators.values():
+            allocator.commit(key, token_ids, num_computed)
+
+    def free(self, key: RequestKey) -> None:
+        for allocator in self.allocators.values():
+            allocator.free(key)
+
+    def blocks_of(self, key: RequestKey) -> dict[str, list[int]]:
+        return {name: list(a.table(key)) for name, a in self.allocators.items()}
+
+    def first_page(self, group: str, key: RequestKey) -> int:
+        allocator = self.allocators[group]
+        return allocator.first_page.get(key, 0) if isinstance(allocator, SlidingWindowAllocator) else 0
+
+    def max_blocks_for(self, num_tokens: int) -> int:
+        """Blocks one request of `num_tokens` tokens holds at its peak, over all allocators."""
+        pages = -(-num_tokens // self.page_size)
+        total = 0
+        for allocator in self.allocators.values():
+            if isinstance(allocator, SlidingWindowAllocator):
+                total += min(pages, allocator.window // self.page_size + 2)
+            else:
+                total += pages
+        return total

@@ -1,0 +1,79 @@
+"""The KV-cache tensors: one page pool per layer, addressed by block id.
+
+Layout per layer: K and V each `[H_kv, num_blocks, page_size, D]`, so that
+gathering a sequence's pages (`index_select` on dim 1) yields
+`[H_kv, pages, page_size, D]`, which is already the layout attention wants
+(heads outermost), with no transpose copy.
+
+On CPU the pool is allocated with calloc (through numpy): the OS hands out
+zeroed pages lazily, so a large pool costs nothing at start and resident
+memory grows only as pages are touched. Zeros matter: padding pages read by
+batched attention are masked, and must hold finite values, never garbage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in the cache, read from the model config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    def bytes_per_block(self, page_size: int) -> int:
+        return self.bytes_per_token * page_size
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero tensor; on CPU backed by calloc so untouched pages cost no RAM."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element = torch.tensor([], dtype=dtype).element_size()
+    numpy_type = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[element]
+    return torch.from_numpy(np.zeros(shape, dtype=numpy_type)).view(dtype)
+
+
+class KVStore:
+    """All layers' K/V page pools in one allocation."""
+
+    def __init__(self, shape: KVShape, num_blocks: int, page_size: int, device: torch.device) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.device = device
+        # [layers, 2, H_kv, num_blocks, page, D]
+        self.data = _zeros(
+            (shape.num_layers, 2, shape.num_kv_heads, num_blocks, page_size, shape.head_dim),
+            shape.dtype,
+            device,
+        )
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pools of one layer, each [H_kv, num_blocks, page, D]."""
+        return self.data[layer_idx, 0], self.data[layer_idx, 1]
+
+    def read_blocks(self, blocks: torch.Tensor, layers: list[int]) -> torch.Tensor:
+        """Copy of the given blocks in the given layers: [len(layers), 2, H_kv, n, page, D]."""
+        return self.data[layers][:, :, :, blocks]
+
+    def write_blocks(self, blocks: torch.Tensor, layers: list[int], pages: torch.Tensor) -> None:
+        """Inverse of read_blocks."""
+        for i, layer in enumerate(layers):
+            self.data[layer][:, :, blocks] = pages[i]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()

@@ -1,0 +1,92 @@
+"""What the engine needs to know about a model, read once from its config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cbrun.engine.kv_store import KVShape
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be driven by the engine; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kv: KVShape
+    layer_groups: tuple[str, ...]  # per layer: "full" or "sliding"
+    sliding_window: int | None
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def has_full_layers(self) -> bool:
+        return "full" in self.layer_groups
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(set(self.layer_groups)) > 1
+
+
+def read_model_spec(model, tokenizer) -> ModelSpec:
+    """Derive cache shape, layer attention types, limits and EOS ids from a loaded model."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{config.model_type}: encoder-decoder models are not supported")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError(f"{config.model_type}: attention logit soft-capping is not supported")
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    kv = KVShape(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        dtype=next(model.parameters()).dtype,
+    )
+    groups, window = _layer_groups(config)
+    return ModelSpec(
+        kv=kv,
+        layer_groups=groups,
+        sliding_window=window,
+        vocab_size=model.get_input_embeddings().weight.shape[0],
+        max_context=int(getattr(config, "max_position_embeddings", 0) or 1 << 30),
+        eos_token_ids=_eos_ids(model, tokenizer),
+    )
+
+
+def _layer_groups(config) -> tuple[tuple[str, ...], int | None]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"{config.model_type}: unsupported attention types {sorted(unknown)}")
+        groups = tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types)
+    elif window:
+        groups = ("sliding",) * config.num_hidden_layers
+    else:
+        groups = ("full",) * config.num_hidden_layers
+    if "sliding" not in groups:
+        window = None
+    elif not window:
+        raise UnsupportedModelError(f"{config.model_type}: sliding layers without a sliding_window size")
+    return groups, window
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    """EOS ids as model.generate sees them: generation config first, then model config, then tokenizer."""
+    generation = getattr(model, "generation_config", None)
+    for source in (getattr(generation, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
+        if isinstance(source, int):
+            return frozenset([source])
+        if isinstance(source, (list, tuple)) and source:
+            return frozenset(int(x) for x in source)
+    return frozenset()
+
+
+def default_device(model) -> torch.device:
+    return next(model.parameters()).device

@@ -1,0 +1,119 @@
+"""Vectorized sampling and logprobs for one step's sampled sequences.
+
+Reported logprobs are the fp32 log-softmax of the logits divided by the
+request's temperature (raw logits when greedy), before top-k / top-p / min-p
+filtering: the model's own distribution at that temperature.
+
+Randomness is counter-based: each sampled token uses one uniform number
+derived from (seed, sample index, token position) by a 64-bit mixer and
+inverts the filtered distribution's CDF. A seeded request therefore draws
+the same numbers whatever else is in the batch and however it was scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cbrun.engine.request import Request
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def uniform_for(seed: int, sample_index: int, position: int) -> float:
+    """A reproducible number in [0, 1) for one (request stream, token position)."""
+    mixed = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ sample_index) ^ position)
+    return (mixed >> 11) * (1.0 / (1 << 53))
+
+
+@dataclass
+class Sampled:
+    """Per sampled row: the chosen token, its logprob and optional alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> Sampled:
+    """Choose one token per row of `logits` ([N, V]) for the matching request."""
+    logits = logits.float()  # [N, V]
+    params = [r.sampling for r in requests]
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
+    scaled = logits / temps[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
+    chosen = torch.argmax(logits, dim=-1)  # [N] greedy choice
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows)
+        picked = _sample_rows(logprobs[rows], [requests[i] for i in random_rows])
+        chosen[rows] = picked
+    token_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]  # [N]
+    top = _top_alternatives(logprobs, params)
+    return Sampled(chosen.tolist(), token_logprobs.tolist(), top)
+
+
+def _sample_rows(logprobs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Filter ([n, V] log-probs) by top-k, top-p, min-p, then invert the CDF."""
+    filtered = logprobs.clone()
+    params = [r.sampling for r in requests]
+    if any(p.top_k > 0 for p in params):
+        filtered = _apply_top_k(filtered, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        filtered = _apply_top_p(filtered, [p.top_p for p in params])
+    if any(p.min_p > 0 for p in params):
+        threshold = torch.tensor([p.min_p for p in params]).log()  # [n]
+        best = filtered.max(dim=-1, keepdim=True).values
+        filtered = filtered.masked_fill(filtered < best + threshold[:, None], float("-inf"))
+    probs = torch.softmax(filtered, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)  # [n, V]
+    draws = torch.tensor(
+        [uniform_for(r.seed, r.sample_index, r.num_tokens) for r in requests], dtype=cdf.dtype
+    )
+    target = draws[:, None] * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True)[:, 0]
+    picked = picked.clamp_(max=cdf.shape[-1] - 1)
+    # never land on a filtered-out token (possible only at float edges)
+    dead = probs.gather(1, picked[:, None])[:, 0] == 0
+    if dead.any():
+        picked[dead] = probs[dead].argmax(dim=-1)
+    return picked
+
+
+def _apply_top_k(logprobs: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    vocab = logprobs.shape[-1]
+    k_max = min(max(ks), vocab)
+    top = torch.topk(logprobs, k_max, dim=-1).values  # [n, k_max]
+    index = torch.tensor([(min(k, vocab) if k > 0 else k_max) - 1 for k in ks])
+    kth = top.gather(1, index[:, None])  # [n, 1]
+    keep_all = torch.tensor([k == 0 for k in ks])[:, None]
+    return logprobs.masked_fill((logprobs < kth) & ~keep_all, float("-inf"))
+
+
+def _apply_top_p(logprobs: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches p."""
+    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
+    probs = torch.softmax(sorted_lp, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, V]
+    drop_sorted = mass_before >= torch.tensor(ps)[:, None]
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logprobs.masked_fill(drop, float("-inf"))
+
+
+def _top_alternatives(logprobs: torch.Tensor, params) -> list[list[tuple[int, float]]] | None:
+    wanted = [p.top_logprobs for p in params]
+    if not any(wanted):
+        return None
+    k_max = min(max(wanted), logprobs.shape[-1])
+    values, indices = torch.topk(logprobs, k_max, dim=-1)
+    values, indices = values.tolist(), indices.tolist()
+    return [list(zip(indices[i][:k], values[i][:k])) for i, k in enumerate(wanted)]

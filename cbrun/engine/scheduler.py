@@ -1,0 +1,207 @@
+"""One scheduling loop: which requests get how many tokens in the next forward.
+
+Three limits bound a step: the token budget (`max_batch_tokens`), the cache
+(blocks that can be allocated) and `max_requests_per_batch`. Each request
+closes the gap between `num_computed_tokens` and its token count; a prompt
+longer than the remaining budget is simply given part of it (chunked prefill).
+FIFO and prefill-first differ only in the order running requests are visited.
+
+When a running request cannot get its next block, the newest requests not
+yet scheduled in this step are preempted (offloaded or soft-reset by the
+`Preemptor`) until it can; the last active request is never preempted for
+another, and a request that cannot fit the whole cache alone fails.
+Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.kv_cache import KVCacheManager
+from cbrun.engine.request import Request, RequestStatus
+
+
+class Preemptor(Protocol):
+    """How a preempted request gives back its blocks, and how it comes back."""
+
+    def preempt(self, request: Request) -> None: ...
+
+    def restore(self, request: Request, num_tokens: int) -> bool:
+        """Give an offloaded request slots for `num_tokens` tokens and its KV back; False if no room."""
+        ...
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one forward: (request, new tokens) pairs, decodes first."""
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the cache bookkeeping of requests."""
+
+    def __init__(self, config: EngineConfig, cache: KVCacheManager, preemptor: Preemptor) -> None:
+        self.config = config
+        self.cache = cache
+        self.preemptor = preemptor
+        self.waiting: list[Request] = []  # sorted by arrival order
+        self.running: list[Request] = []  # arrival order
+        self.prefix_hit_tokens = 0  # prompt tokens reused from the prefix cache at first admission
+
+    # -- queue management -----------------------------------------------
+    def add(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=lambda r: r.arrival_order)
+
+    def requeue(self, request: Request) -> None:
+        """Put a preempted request back in line at its arrival position."""
+        if request in self.running:
+            self.running.remove(request)
+        self.add(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished, failed or cancelled request out and free its blocks at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.cache.free(request.key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ---------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work under the token, request and cache budgets."""
+        batch = ScheduledBatch()
+        budget = self.config.max_batch_tokens
+        slots = self.config.max_requests_per_batch
+        scheduled: set[int] = set()
+        preempted = False
+        for request in self._running_order():
+            if budget <= 0 or slots <= 0:
+                break
+            if request not in self.running:
+                continue  # preempted earlier in this loop
+            count = min(request.num_uncomputed, budget)
+            outcome = self._reserve(request, count, scheduled, batch)
+            preempted |= outcome != "ok"
+            if outcome == "ok":
+                batch.items.append((request, count))
+                scheduled.add(id(request))
+                budget -= count
+                slots -= 1
+        if not preempted:
+            self._admit_waiting(batch, budget, slots)
+        batch.items.sort(key=lambda item: item[1] != 1)  # single-query sequences first
+        return batch
+
+    def _running_order(self) -> list[Request]:
+        """The ordering hook: FIFO visits decodes first, prefill-first the reverse."""
+        decoding = [r for r in self.running if not r.is_prefilling]
+        prefilling = [r for r in self.running if r.is_prefilling]
+        if self.config.scheduler == "prefill-first":
+            return prefilling + decoding
+        return decoding + prefilling
+
+    def _reserve(self, request: Request, count: int, scheduled: set[int], batch: ScheduledBatch) -> str:
+        """Allocate slots for `count` more tokens, preempting newer requests if needed."""
+        target = request.num_computed_tokens + count
+        while not self.cache.allocate(request.key, target):
+            victim = self._victim(exclude=scheduled | {id(request)})
+            if victim is not None:
+                self._preempt(victim)
+                continue
+            if len(self.running) == 1 and not batch.items:
+                self.running.remove(request)
+                self.cache.free(request.key)
+                batch.failed.append((request, self._too_large_message(request)))
+                return "failed"
+            self._preempt(request)
+            return "preempted"
+        return "ok"
+
+    def _victim(self, exclude: set[int]) -> Request | None:
+        """The newest running request not protected in this step."""
+        for request in reversed(self.running):
+            if id(request) not in exclude:
+                return request
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.preemptor.preempt(request)
+        self.add(request)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, slots: int) -> None:
+        """Start waiting requests in arrival order while budgets and the cache allow."""
+        pool = self.cache.pool
+        while self.waiting and budget > 0 and slots > 0:
+            request = self.waiting[0]
+            if self.running and pool.num_free < self.config.safety_margin * pool.num_blocks:
+                return  # keep the margin for running decodes
+            if request.status is not RequestStatus.OFFLOADED and request.num_computed_tokens == 0:
+                self._attach_prefix(request)
+            count = min(request.num_uncomputed, budget)
+            if not self._allocate_for_admission(request, request.num_computed_tokens + count):
+                if not self.running and not batch.items:
+                    self.waiting.pop(0)
+                    self.preemptor.discard(request)
+                    batch.failed.append((request, self._too_large_message(request)))
+                    continue
+                return
+            self.waiting.pop(0)
+            request.status = RequestStatus.PREFILLING if request.is_prefilling else RequestStatus.DECODING
+            self.running.append(request)
+            batch.items.append((request, count))
+            budget -= count
+            slots -= 1
+
+    def _allocate_for_admission(self, request: Request, num_tokens: int) -> bool:
+        """Allocate (or restore from offload) all-or-nothing; on failure hold no blocks."""
+        if request.status is RequestStatus.OFFLOADED:
+            return self.preemptor.restore(request, num_tokens)
+        if self.cache.allocate(request.key, num_tokens):
+            return True
+        self.cache.free(request.key)
+        request.num_computed_tokens = 0
+        return False
+
+    def _attach_prefix(self, request: Request) -> None:
+        hit = self.cache.match_prefix(request.key, request.all_token_ids)
+        request.num_computed_tokens = hit
+        if hit and request.num_cached_tokens == 0 and request.num_generated == 0:
+            request.num_cached_tokens = hit
+            self.prefix_hit_tokens += hit
+
+    def _too_large_message(self, request: Request) -> str:
+        pool = self.cache.pool
+        return (
+            f"request needs {self.cache.max_blocks_for(request.num_tokens)} KV-cache blocks "
+            f"({request.num_tokens} tokens at page size {self.cache.page_size}) but the whole "
+            f"cache has {pool.num_blocks}; raise --num-blocks or lower max tokens"
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a request is queued twice or holds foreign blocks."""
+        keys = [r.key for r in self.running] + [r.key for r in self.waiting]
+        assert len(keys) == len(set(keys)), "a request is queued twice"
+        owners: dict[int, object] = {}
+        for name, allocator in self.cache.allocators.items():
+            for key, table in allocator.tables.items():
+                for block in table:
+                    if not self.cache.sharing:
+                        assert (name, block) not in owners, f"block {block} owned twice"
+                    owners[(name, block)] = key
+        self.cache.pool.check_invariants()
