@@ -1,0 +1,1 @@
+"""Datasets in, results out: readers, row validation, output formats, writers, resume, the job loop."""
