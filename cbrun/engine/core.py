@@ -20,7 +20,7 @@ from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
 from cbrun.engine.model_spec import ModelSpec, default_device, read_model_spec
-from cbrun.engine.offload import SoftResetPreemptor
+from cbrun.engine.offload import make_preemptor
 from cbrun.engine.request import Request, RequestStatus
 from cbrun.engine.runner import ModelRunner
 from cbrun.engine.sampler import sample
@@ -65,7 +65,7 @@ class EngineCore:
         if config.allow_block_sharing and not self.cache.sharing:
             log.info("prefix caching is off: the model has sliding-window layers")
         self.store = KVStore(self.spec.kv, num_blocks, config.page_size, self.device)
-        self.preemptor = SoftResetPreemptor(self.cache)
+        self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
                                     self.spec.sliding_window, self.device)

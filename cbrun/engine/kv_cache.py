@@ -213,6 +213,26 @@ class FullAttentionAllocator:
             self.pool.register(table[index], block_hash, tokens)
             hashes.append(block_hash)
 
+    def hashes_between(self, key: RequestKey, token_ids: Sequence[int], start: int, end: int) -> list[bytes]:
+        """Chain hashes of the full blocks lying in tokens [start, end) (start on a block boundary)."""
+        if not self.share_prefixes or start % self.page_size:
+            return []
+        known = self._hashes.get(key, [])
+        page = self.page_size
+        parent = known[start // page - 1] if start and len(known) >= start // page else None
+        if start and parent is None:
+            return []
+        out = []
+        for begin in range(start, end - page + 1, page):
+            parent = chain_hash(parent, token_ids[begin:begin + page])
+            out.append(parent)
+        return out
+
+    def adopt(self, key: RequestKey, blocks: list[int], first_page: int = 0) -> None:
+        """Take ownership of freshly allocated blocks (restoring an offloaded request)."""
+        self.tables[key] = list(blocks)
+        self._hashes.pop(key, None)
+
     def free(self, key: RequestKey) -> None:
         """Release the request's blocks (tail first); cached content survives."""
         table = self.tables.pop(key, [])
@@ -263,6 +283,10 @@ class SlidingWindowAllocator:
 
     def match_prefix(self, key: RequestKey, token_ids: Sequence[int]) -> int:
         return 0
+
+    def adopt(self, key: RequestKey, blocks: list[int], first_page: int = 0) -> None:
+        self.tables[key] = list(blocks)
+        self.first_page[key] = first_page
 
     def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int) -> None:
         """Release pages that no future query can attend to."""
@@ -335,6 +359,16 @@ class KVCacheManager:
 
     def blocks_of(self, key: RequestKey) -> dict[str, list[int]]:
         return {name: list(a.table(key)) for name, a in self.allocators.items()}
+
+    def hashes_between(self, key: RequestKey, token_ids: Sequence[int], start: int, end: int) -> list[bytes]:
+        if not self.sharing:
+            return []
+        return self.allocators["full"].hashes_between(key, token_ids, start, end)
+
+    def exclusive_blocks(self, key: RequestKey) -> int:
+        """Blocks that freeing this request would return to the pool."""
+        ref = self.pool.ref_count
+        return sum(1 for a in self.allocators.values() for b in a.table(key) if ref[b] == 1)
 
     def first_page(self, group: str, key: RequestKey) -> int:
         allocator = self.allocators[group]

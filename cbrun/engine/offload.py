@@ -1,6 +1,7 @@
-"""What happens to a preempted request: soft reset (recompute later).
+"""What happens to a preempted request: CPU offload, or soft reset (recompute later).
 
-Soft reset frees the request's blocks and sets its computed counter to 0;
+Offload copies the request's KV pages to a CPU swap pool and brings them back
+when it is re-admitted. Soft reset frees the request's blocks and sets its computed counter to 0;
 its generated tokens stay in `all_token_ids`, so when it is admitted again
 the whole sequence is prefilled (prefix-cache hits included) and decoding
 continues where it stopped, with identical greedy output.
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from cbrun.engine.kv_cache import KVCacheManager
+from cbrun.engine.kv_store import KVStore
 from cbrun.engine.request import Request, RequestStatus
 
 
@@ -28,7 +32,11 @@ class SoftResetPreemptor:
         self.cache = cache
         self.counters = PreemptionCounters()
 
-    def preempt(self, request: Request) -> None:
+    def preempt(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.soft_reset(request)
+
+    def soft_reset(self, request: Request) -> None:
         self.cache.free(request.key)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PENDING
@@ -39,3 +47,105 @@ class SoftResetPreemptor:
 
     def discard(self, request: Request) -> None:
         self.cache.free(request.key)
+
+
+class CpuOffloadPreemptor(SoftResetPreemptor):
+    """Preempts by copying KV pages to a preallocated CPU swap pool; falls back to soft reset.
+
+    All requests preempted together that fit in the swap pool move in one
+    gather-and-copy; they come back (restore) without recomputation.
+    """
+
+    def __init__(self, cache: KVCacheManager, store: KVStore, swap_blocks: int) -> None:
+        super().__init__(cache)
+        self.store = store
+        self.swap = _zeros_like_pool(store, swap_blocks)  # [layers, 2, H_kv, swap_blocks, page, D]
+        self._free_swap = list(range(swap_blocks - 1, -1, -1))
+        self._saved: dict[object, list[SavedGroup]] = {}
+
+    def preempt(self, requests: list[Request]) -> None:
+        moving: list[tuple[Request, list[SavedGroup]]] = []
+        for request in requests:
+            groups = self._plan(request)
+            if groups is None:
+                self.soft_reset(request)
+            else:
+                moving.append((request, groups))
+        if not moving:
+            return
+        pool_ids = [b for _, groups in moving for g in groups for b in g.pool_blocks]
+        swap_ids = [s for _, groups in moving for g in groups for s in g.swap_blocks]
+        self._copy(self.store.data, pool_ids, self.swap, swap_ids)
+        for request, groups in moving:
+            self.cache.free(request.key)
+            self._saved[request.key] = groups
+            request.status = RequestStatus.OFFLOADED
+            self.counters.offloads += 1
+
+    def _plan(self, request: Request) -> list[SavedGroup] | None:
+        """Reserve swap blocks for every page the request holds, or None if the pool is full."""
+        tables = self.cache.blocks_of(request.key)
+        needed = sum(len(t) for t in tables.values())
+        if needed == 0 or needed > len(self._free_swap):
+            return None
+        groups = []
+        for name, blocks in tables.items():
+            swap = [self._free_swap.pop() for _ in blocks]
+            groups.append(SavedGroup(name, blocks, swap, self.cache.first_page(name, request.key)))
+        return groups
+
+    def restore(self, request: Request, num_tokens: int) -> bool:
+        groups = self._saved[request.key]
+        needed = sum(len(g.swap_blocks) for g in groups)
+        if needed > self.cache.pool.num_free:
+            return False
+        for group in groups:
+            group.pool_blocks = self.cache.pool.allocate(len(group.swap_blocks))
+            self.cache.allocators[group.name].adopt(request.key, group.pool_blocks, group.first_page)
+        if not self.cache.allocate(request.key, num_tokens):
+            self.cache.free(request.key)
+            return False
+        self._copy(self.swap, [s for g in groups for s in g.swap_blocks],
+                   self.store.data, [b for g in groups for b in g.pool_blocks])
+        self.discard(request)
+        self.cache.commit(request.key, request.all_token_ids, request.num_computed_tokens)
+        self.counters.restores += 1
+        return True
+
+    def discard(self, request: Request) -> None:
+        for group in self._saved.pop(request.key, []):
+            self._free_swap.extend(group.swap_blocks)
+
+    @staticmethod
+    def _copy(source, source_ids: list[int], target, target_ids: list[int]) -> None:
+        """target[..., target_ids, :, :] = source[..., source_ids, :, :] in one gather and one scatter."""
+        src = torch.tensor(source_ids, dtype=torch.long, device=source.device)
+        dst = torch.tensor(target_ids, dtype=torch.long, device=target.device)
+        pages = source.index_select(3, src)  # [layers, 2, H_kv, n, page, D]
+        target.index_copy_(3, dst, pages.to(target.device, non_blocking=True))
+
+
+@dataclass
+class SavedGroup:
+    """Where one attention group's pages of an offloaded request went."""
+
+    name: str
+    pool_blocks: list[int]
+    swap_blocks: list[int]
+    first_page: int
+
+
+def _zeros_like_pool(store: KVStore, blocks: int) -> torch.Tensor:
+    shape = list(store.data.shape)
+    shape[3] = blocks
+    pin = store.device.type == "cuda"
+    return torch.zeros(shape, dtype=store.data.dtype, pin_memory=pin)
+
+
+def make_preemptor(cache: KVCacheManager, store: KVStore, offload_gib: float):
+    """Soft reset alone, or CPU offload with soft reset as the fallback."""
+    per_block = store.shape.bytes_per_block(store.page_size)
+    swap_blocks = int(offload_gib * 2**30) // per_block
+    if swap_blocks <= 0:
+        return SoftResetPreemptor(cache)
+    return CpuOffloadPreemptor(cache, store, swap_blocks)

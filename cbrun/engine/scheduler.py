@@ -27,7 +27,9 @@ from cbrun.engine.request import Request, RequestStatus
 class Preemptor(Protocol):
     """How a preempted request gives back its blocks, and how it comes back."""
 
-    def preempt(self, request: Request) -> None: ...
+    def preempt(self, requests: list[Request]) -> None:
+        """Free the requests' blocks (offloading their KV, or resetting them for recompute)."""
+        ...
 
     def restore(self, request: Request, num_tokens: int) -> bool:
         """Give an offloaded request slots for `num_tokens` tokens and its KV back; False if no room."""
@@ -119,54 +121,86 @@ class Scheduler:
         """Allocate slots for `count` more tokens, preempting newer requests if needed."""
         target = request.num_computed_tokens + count
         while not self.cache.allocate(request.key, target):
-            victim = self._victim(exclude=scheduled | {id(request)})
-            if victim is not None:
-                self._preempt(victim)
+            shortfall = self.cache.blocks_needed(request.key, target) - self.cache.pool.num_free
+            victims = self._victims(shortfall, exclude=scheduled | {id(request)})
+            if victims:
+                self._preempt(victims)
                 continue
             if len(self.running) == 1 and not batch.items:
                 self.running.remove(request)
                 self.cache.free(request.key)
                 batch.failed.append((request, self._too_large_message(request)))
                 return "failed"
-            self._preempt(request)
+            self._preempt([request])
             return "preempted"
         return "ok"
 
-    def _victim(self, exclude: set[int]) -> Request | None:
-        """The newest running request not protected in this step."""
+    def _victims(self, shortfall: int, exclude: set[int]) -> list[Request]:
+        """The fewest newest running requests (not protected this step) whose blocks cover the shortfall."""
+        victims, freed = [], 0
         for request in reversed(self.running):
-            if id(request) not in exclude:
-                return request
-        return None
+            if id(request) in exclude:
+                continue
+            victims.append(request)
+            freed += self.cache.exclusive_blocks(request.key)
+            if freed >= shortfall:
+                break
+        return victims
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self.preemptor.preempt(request)
-        self.add(request)
+    def _preempt(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.running.remove(request)
+        self.preemptor.preempt(requests)
+        for request in requests:
+            self.add(request)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, slots: int) -> None:
-        """Start waiting requests in arrival order while budgets and the cache allow."""
+        """Start waiting requests in arrival order while budgets and the cache allow.
+
+        A request whose next uncached block is being computed by another
+        request in this very step waits one step, then hits the cache
+        instead of computing the same prefix again.
+        """
         pool = self.cache.pool
-        while self.waiting and budget > 0 and slots > 0:
-            request = self.waiting[0]
+        inflight = self._inflight_hashes(batch)
+        index = 0
+        while index < len(self.waiting) and budget > 0 and slots > 0:
+            request = self.waiting[index]
             if self.running and pool.num_free < self.config.safety_margin * pool.num_blocks:
                 return  # keep the margin for running decodes
             if request.status is not RequestStatus.OFFLOADED and request.num_computed_tokens == 0:
                 self._attach_prefix(request)
             count = min(request.num_uncomputed, budget)
+            produces = self.cache.hashes_between(request.key, request.all_token_ids,
+                                                 request.num_computed_tokens, request.num_tokens - 1)
+            if produces and produces[0] in inflight:
+                self.cache.free(request.key)
+                request.num_computed_tokens = 0
+                index += 1
+                continue
             if not self._allocate_for_admission(request, request.num_computed_tokens + count):
                 if not self.running and not batch.items:
-                    self.waiting.pop(0)
+                    self.waiting.pop(index)
                     self.preemptor.discard(request)
                     batch.failed.append((request, self._too_large_message(request)))
                     continue
                 return
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            inflight.update(produces[: count // self.cache.page_size])
             request.status = RequestStatus.PREFILLING if request.is_prefilling else RequestStatus.DECODING
             self.running.append(request)
             batch.items.append((request, count))
             budget -= count
             slots -= 1
+
+    def _inflight_hashes(self, batch: ScheduledBatch) -> set[bytes]:
+        """Hashes of the full blocks that this step's prefill chunks will produce."""
+        hashes: set[bytes] = set()
+        for request, count in batch.items:
+            if count > 1:
+                start = request.num_computed_tokens
+                hashes.update(self.cache.hashes_between(request.key, request.all_token_ids, start, start + count))
+        return hashes
 
     def _allocate_for_admission(self, request: Request, num_tokens: int) -> bool:
         """Allocate (or restore from offload) all-or-nothing; on failure hold no blocks."""
