@@ -1,0 +1,112 @@
+"""The machine's compute ceiling: model FLOPs per token against a measured GEMM rate.
+
+A decoder's forward costs about 2 FLOPs per weight per token, so a token
+costs 2 * (non-embedding parameters + LM head) FLOPs (the embedding lookup is
+a gather, attention over the context is left out). Dividing the achieved
+tokens/s times that cost by the GEMM rate torch reaches on this machine at
+256 rows tells how close an engine runs to what the hardware can do.
+"""
+
+from __future__ import annotations
+
+import time
+
+GEMM_ROWS = 256
+SQUARE_SIZE = 2048
+
+
+def model_gflop_per_token(model) -> float:
+    """2 * (non-embedding parameters + LM head weights) / 1e9, from the loaded model."""
+    embed = model.get_input_embeddings().weight
+    head_module = model.get_output_embeddings()
+    head = head_module.weight if head_module is not None else embed
+    skip = {id(embed), id(head)}
+    body = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    return 2.0 * (body + head.numel()) / 1e9
+
+
+def model_gemm_shapes(model) -> list[tuple[int, int]]:
+    """(in_features, out_features) of one decoder layer's linear layers plus the LM head (the shapes a step runs)."""
+    import torch
+
+    shapes: list[tuple[int, int]] = []
+    for name, module in model.named_modules():
+        layer = _layer_index(name)
+        if isinstance(module, torch.nn.Linear) and layer in (None, 0):  # layer 0 stands for all layers
+            shapes.append((module.in_features, module.out_features))
+    return shapes
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return None
+
+
+def measure_gemm_gflops(shapes: list[tuple[int, int]], dtype, device: str = "cpu", rows: int = GEMM_ROWS,
+                        repeats: int = 5, budget_s: float = 2.0) -> float:
+    """Best GFLOP/s of `rows` x K inputs through K -> N linear layers over `shapes` (summed FLOPs / summed time).
+
+    Uses `F.linear` with [N, K] weights, the layout and kernel a model's
+    forward uses (on some CPUs `matmul` with a [K, N] operand takes a far slower
+    bf16 path). Repeats stop early once `budget_s` is spent.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    inputs = [(torch.randn(rows, k, dtype=dtype, device=device), torch.randn(n, k, dtype=dtype, device=device))
+              for k, n in shapes]
+    flops = sum(2.0 * rows * k * n for k, n in shapes)
+    best = float("inf")
+    spent = 0.0
+    with torch.inference_mode():
+        for a, w in inputs:  # warm-up: first calls pick kernels and allocate
+            F.linear(a, w)
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            for a, w in inputs:
+                F.linear(a, w)
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            best, spent = min(best, elapsed), spent + elapsed
+            if spent > budget_s:
+                break
+    return flops / best / 1e9
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def measure_ceiling(model, run_dtype, device: str = "cpu") -> dict:
+    """GFLOP/token and GEMM rates: bf16 (the reference) and the run's dtype, each the best of model shapes and a square."""
+    import torch
+
+    shapes = model_gemm_shapes(model) or [(SQUARE_SIZE, SQUARE_SIZE)]
+    rates: dict[str, dict[str, float]] = {}
+    for dtype in dict.fromkeys([torch.bfloat16, run_dtype]):
+        name = str(dtype).removeprefix("torch.")
+        model_rate = measure_gemm_gflops(shapes, dtype, device)
+        square_rate = measure_gemm_gflops([(SQUARE_SIZE, SQUARE_SIZE)], dtype, device)
+        rates[name] = {"model_shapes": round(model_rate, 1), "square": round(square_rate, 1),
+                       "best": round(max(model_rate, square_rate), 1)}
+    return {
+        "gflop_per_token": model_gflop_per_token(model),
+        "gemm_rows": GEMM_ROWS,
+        "gemm_gflops": rates,
+        "reference_dtype": "bfloat16",
+    }
+
+
+def ceiling_fraction(total_tokens_per_s: float, ceiling: dict, dtype: str = "bfloat16") -> float | None:
+    """total tokens/s * GFLOP/token / GEMM GFLOP/s (the best rate measured in `dtype`)."""
+    rate = ceiling.get("gemm_gflops", {}).get(dtype, {}).get("best")
+    if not rate:
+        return None
+    return total_tokens_per_s * ceiling["gflop_per_token"] / rate

@@ -1,0 +1,112 @@
+"""Peer `cbrun`: our Engine, through its public API only.
+
+Engine start-up (cache allocation) is excluded from timing. The warm-up and
+the timed pass share one engine; the engine's counters are cumulative, so its
+statistics for the timed pass are the difference of two snapshots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from cbrun.bench.peers import PeerContext
+from cbrun.bench.result import PeerResult, PeerUnavailable
+from cbrun.bench.workload import Workload
+
+
+def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
+    try:
+        from cbrun.engine import Engine
+    except ImportError as e:
+        raise PeerUnavailable(f"cbrun.engine.Engine is not importable: {e}") from e
+
+    ctx.progress.message("[cbrun] starting engine")
+    engine = Engine(ctx.model, ctx.tokenizer, ctx.engine_config)
+    try:
+        _run_pass(engine, warmup, ctx, "cbrun warm-up")
+        before = engine.stats()
+        dashboard = ctx.dashboard(engine) if ctx.dashboard else contextlib.nullcontext()
+        with dashboard:
+            result = _run_pass(engine, workload, ctx, "cbrun")
+        after = engine.stats()
+    finally:
+        engine.stop(hard=True)
+        engine.destroy()
+    result.details["stats"] = stats_delta(before, after)
+    result.details["engine_config"] = _config_dict(ctx.engine_config)
+    return result
+
+
+def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str) -> PeerResult:
+    """Submit every request up front and wait for all results."""
+    total = workload.num_prompts * workload.n
+    counts = [0] * workload.num_prompts
+    ttfts: list[float] = []
+    errors: list[str] = []
+    start = time.perf_counter()
+    index_of, calls = _submit(engine, workload)
+    for done, out in enumerate(engine, start=1):
+        counts[index_of[out.request_id]] += len(out.token_ids)
+        if out.ttft_s is not None:
+            ttfts.append(out.ttft_s)
+        if not out.ok:
+            errors.append(f"{out.request_id}: {out.finish_reason} {out.error or ''}".strip())
+        ctx.progress.update(label, done, total, force=done == total)
+    wall = time.perf_counter() - start
+    result = PeerResult("cbrun", wall_s=wall, num_requests=workload.num_prompts,
+                        num_input_tokens=workload.num_input_tokens, output_counts=counts, ttfts=ttfts)
+    if calls > 1:
+        result.notes.append(f"submitted in {calls} add_requests calls (one per distinct output length)")
+    if errors:
+        result.notes.append(f"{len(errors)} requests failed, first: {errors[0]}")
+    return result
+
+
+def _submit(engine, workload: Workload) -> tuple[dict[str, int], int]:
+    """Queue the workload with `add_requests` (prefix-sorted), one call per distinct output length.
+
+    `add_requests` takes one SamplingParams for all its prompts, and single
+    `add_request` calls interleave with engine steps, so requests are grouped
+    by their only varying field, max_tokens; all share the workload's seed.
+    Returns request id -> prompt index, and the number of calls.
+    """
+    from cbrun.engine import SamplingParams
+
+    groups: dict[int, list[int]] = {}
+    for i, length in enumerate(workload.output_lens):
+        groups.setdefault(length, []).append(i)
+    index_of: dict[str, int] = {}
+    for length, indices in groups.items():
+        sampling = SamplingParams(max_tokens=length, temperature=workload.temperature,
+                                  ignore_eos=workload.ignore_eos, n=workload.n, seed=workload.seed)
+        ids = [f"bench-{i}" for i in indices]
+        engine.add_requests([workload.prompts[i] for i in indices], sampling, request_ids=ids)
+        index_of.update(zip(ids, indices))
+    return index_of, len(groups)
+
+
+def stats_delta(before, after) -> dict:
+    """The timed pass's engine figures from two cumulative StatsSnapshots."""
+    prompt = after.prompt_tokens - before.prompt_tokens
+    hits = after.prefix_hit_tokens - before.prefix_hit_tokens
+    decode_steps = after.decode_steps - before.decode_steps
+    decode_tokens = after.decode_batch_tokens - before.decode_batch_tokens
+    return {
+        "steps": after.steps - before.steps,
+        "mean_decode_batch": decode_tokens / decode_steps if decode_steps else 0.0,
+        "peak_kv_occupancy": after.peak_blocks_used / after.blocks_total if after.blocks_total else 0.0,
+        "kv_blocks_total": after.blocks_total,
+        "prefix_hit_tokens": hits,
+        "prefix_hit_rate": hits / prompt if prompt else 0.0,
+        "offloads": after.offloads - before.offloads,
+        "soft_resets": after.soft_resets - before.soft_resets,
+    }
+
+
+def _config_dict(config) -> dict | None:
+    if config is None:
+        return None
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(config) if is_dataclass(config) else dict(vars(config))

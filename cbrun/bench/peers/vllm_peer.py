@@ -1,0 +1,150 @@
+"""Peer `vllm`: vLLM's offline `LLM.generate`, in-process or under a separate interpreter.
+
+vLLM pins its own torch and transformers, so it usually lives in its own
+environment: `--vllm-python PATH` names that interpreter, and the job runs in
+`vllm_child.py` (stdlib + vLLM only), exchanging JSON files. Without the flag,
+vLLM runs in-process when importable; otherwise the peer is unavailable.
+
+vLLM loads a Hugging Face model directory. A local HF directory is passed as
+is; any other model (a .gguf file, the default alias) is saved once, in the
+run's dtype, with its tokenizer, to a cache directory that vLLM then loads.
+Its start-up is excluded from timing, as every engine's is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from cbrun.bench.peers import PeerContext, vllm_child
+from cbrun.bench.result import PeerResult, PeerUnavailable
+from cbrun.bench.workload import Workload
+
+LOG_TAIL_LINES = 30
+
+
+def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
+    python = _interpreter(ctx.vllm_python)
+    model_dir = model_dir_for_vllm(ctx)
+    job = {
+        "model": str(model_dir),
+        "tokenizer": str(model_dir),
+        "dtype": str(ctx.dtype).removeprefix("torch."),
+        "seed": workload.seed,
+        "max_model_len": max(workload.max_total_len, warmup.max_total_len),
+        "warmup": _pass_spec(warmup),
+        "timed": _pass_spec(workload),
+    }
+    env = vllm_environment(ctx.device)
+    where = "in-process" if python is None else python
+    ctx.progress.message(f"[vllm] starting vLLM ({where}; start-up takes minutes), threads bind {env.get('VLLM_CPU_OMP_THREADS_BIND', '-')}")
+    figures = _run_in_process(job, env) if python is None else _run_child(python, job, env, ctx)
+    result = PeerResult(
+        "vllm",
+        wall_s=figures["wall_s"],
+        num_requests=workload.num_prompts,
+        num_input_tokens=workload.num_input_tokens,
+        output_counts=list(figures["output_counts"]),
+        ttfts=list(figures["ttfts"]),
+    )
+    result.details.update(
+        vllm_version=figures.get("vllm_version"),
+        startup_s=round(figures.get("startup_s", 0.0), 2),
+        model_dir=str(model_dir),
+        python=where,
+        threads_bind=env.get("VLLM_CPU_OMP_THREADS_BIND"),
+    )
+    result.notes.append(f"vLLM {figures.get('vllm_version')} ({where}), start-up {figures.get('startup_s', 0):.0f}s excluded")
+    return result
+
+
+def _interpreter(vllm_python: str | None) -> str | None:
+    """The interpreter to run the child with, None for in-process; PeerUnavailable when there is neither."""
+    if vllm_python:
+        if not (os.path.isfile(vllm_python) and os.access(vllm_python, os.X_OK)):
+            raise PeerUnavailable(f"--vllm-python {vllm_python} is not an executable file")
+        return vllm_python
+    if importlib.util.find_spec("vllm") is None:
+        raise PeerUnavailable("vLLM is not importable here and --vllm-python was not given")
+    return None
+
+
+def _pass_spec(workload: Workload) -> dict:
+    return {
+        "prompts": workload.prompts,
+        "output_lens": workload.output_lens,
+        "n": workload.n,
+        "ignore_eos": workload.ignore_eos,
+        "temperature": workload.temperature,
+        "seed": workload.seed,
+    }
+
+
+def vllm_environment(device: str) -> dict:
+    """The child's environment: offline, and on CPU computing on every core unless the user chose a binding."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if not str(device).startswith("cuda"):
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    return env
+
+
+def model_dir_for_vllm(ctx: PeerContext) -> Path:
+    """A Hugging Face model directory vLLM can load: the user's own, or a cached export of the loaded model."""
+    from cbrun.models import cache_dir
+
+    spec = Path(ctx.model_spec).expanduser()
+    if spec.is_dir() and (spec / "config.json").is_file() and any(spec.glob("*.safetensors")):
+        return spec
+    dtype = str(ctx.dtype).removeprefix("torch.")
+    key = hashlib.sha256(f"{spec.resolve() if spec.exists() else ctx.model_spec}|{dtype}".encode()).hexdigest()[:16]
+    target = cache_dir() / "vllm-models" / key
+    if (target / "config.json").is_file() and (target / "COMPLETE").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=target.parent))
+    ctx.model.save_pretrained(tmp)
+    ctx.tokenizer.save_pretrained(tmp)
+    (tmp / "COMPLETE").write_text(f"{ctx.model_spec}\n{dtype}\n")
+    try:
+        tmp.rename(target)
+    except OSError:  # another run exported it meanwhile
+        pass
+    return target
+
+
+def _run_in_process(job: dict, env: dict) -> dict:
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_CPU_OMP_THREADS_BIND"):
+        if key in env:
+            os.environ.setdefault(key, env[key])
+    return vllm_child.run(job)
+
+
+def _run_child(python: str, job: dict, env: dict, ctx: PeerContext) -> dict:
+    """Run vllm_child.py under `python`, relaying its progress lines; its full log is kept for errors."""
+    with tempfile.TemporaryDirectory(prefix="cbrun-vllm-") as tmp:
+        job_path, result_path = Path(tmp, "job.json"), Path(tmp, "result.json")
+        job_path.write_text(json.dumps(job))
+        log: list[str] = []
+        proc = subprocess.Popen(
+            [python, vllm_child.__file__, str(job_path), str(result_path)],
+            env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line.rstrip())
+            if line.startswith("[vllm] "):
+                ctx.progress.message(line.rstrip())
+        code = proc.wait()
+        tail = "\n".join(log[-LOG_TAIL_LINES:])
+        if code == vllm_child.EXIT_IMPORT_ERROR:
+            raise PeerUnavailable(f"{python} cannot import vllm: {log[-1] if log else 'no output'}")
+        if code != 0 or not result_path.is_file():
+            raise RuntimeError(f"vLLM child exited with code {code}; last output:\n{tail}")
+        return json.loads(result_path.read_text())
