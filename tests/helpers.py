@@ -99,7 +99,8 @@ _GGUF_LAYER_TENSORS = {  # HF llama parameter (under model.layers.N.) -> GGUF te
 
 def _gguf_permute(weight, n_head: int):
     """llama.cpp's q/k row order (convert_hf_to_gguf's `permute`); transformers undoes it on load."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    rows = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, 2, rows, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def write_llama_gguf(model_dir: Path, path: Path) -> Path:
@@ -141,7 +142,9 @@ def _add_gguf_tokenizer(writer, tok: dict, vocab_size: int) -> None:
     vocab = dict(tok["model"]["vocab"])
     for added in tok["added_tokens"]:
         vocab[added["content"]] = added["id"]
-    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    # The last slot is <|endoftext|>: transformers' GGUF loader appends that token (GPT2Tokenizer's
+    # default unk) past the vocab when the file lacks it, which would yield an out-of-range id.
+    tokens = [f"[PAD{i}]" for i in range(vocab_size - 1)] + ["<|endoftext|>"]
     for text, index in vocab.items():
         tokens[index] = text
     special = {added["id"] for added in tok["added_tokens"]}
@@ -152,7 +155,7 @@ def _add_gguf_tokenizer(writer, tok: dict, vocab_size: int) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
-    writer.add_unk_token_id(0)  # without one, transformers appends an <|endoftext|> token past the vocab
+    writer.add_unk_token_id(vocab_size - 1)
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHAT_TEMPLATE)
 

@@ -183,6 +183,7 @@ def test_gguf_file_loads_same_model_and_tokenizer_as_its_source(tiny_llama_gguf,
     assert gguf_tok.chat_template == dir_tok.chat_template
     assert gguf_model.generation_config.eos_token_id == gguf_tok.eos_token_id == 2
     assert gguf_tok.pad_token_id == 0
+    assert len(gguf_tok) == 512  # every id the tokenizer knows is inside the model's vocab
     assert type(gguf_model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # dense, not packed GGUF
 
 
