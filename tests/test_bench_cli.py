@@ -1,0 +1,211 @@
+"""`cbrun bench` end to end on a tiny random model (issue 5, "Must show" 1-3).
+
+The command is mounted on a Typer app of its own here, so these tests do not
+depend on how cbrun/cli/app.py registers it. Configurations are tiny: a few
+prompts, short lengths, small caches for both continuous-batching engines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cbrun.bench import runner as bench_runner
+from cbrun.bench.report import TABLE_COLUMNS, fmt
+from cbrun.cli.bench import bench
+
+SMALL = ["--num-prompts", "6", "--input-len", "12", "--output-len", "6", "--random-range-ratio", "0.5",
+         "--num-blocks", "64", "--page-size", "16", "--quiet"]
+TRANSFORMERS_SMALL = ["--transformers-cb-config", json.dumps({"num_blocks": 32, "max_batch_tokens": 256})]
+FIXED_CEILING = {"gflop_per_token": 0.001, "gemm_rows": 256, "reference_dtype": "bfloat16",
+                 "gemm_gflops": {"bfloat16": {"best": 100.0}, "float32": {"best": 50.0}}}
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("bench")(bench)
+
+    @app.command("version")  # a second command keeps "bench" a subcommand, as in cbrun's app
+    def version() -> None:
+        pass
+
+    return app
+
+
+def _invoke(args: list[str]):
+    return CliRunner().invoke(_app(), ["bench", *args], catch_exceptions=False)
+
+
+@pytest.fixture
+def no_gemm_probe(monkeypatch):
+    """Skip the GEMM measurement (seconds on a slow CPU) where a test does not look at it."""
+    monkeypatch.setattr(bench_runner, "measure_ceiling", lambda model, dtype, device: FIXED_CEILING)
+
+
+def _row_cells(stdout: str, engine: str) -> list[str]:
+    row = next(line for line in stdout.splitlines() if line.startswith(f"│ {engine} "))
+    return [c.strip() for c in row.strip("│").split("│")][1:]
+
+
+def test_three_engines_give_rows_with_equal_output_counts_and_json_matching_the_table(tiny_llama_dir, tmp_path):
+    out_json = tmp_path / "bench.json"
+    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun,transformers,hf-static",
+                      "--static-batch-size", "4", "--output-json", str(out_json), *SMALL, *TRANSFORMERS_SMALL])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out_json.read_text())
+    entries = {e["engine"]: e for e in report["results"]}
+    assert list(entries) == ["cbrun", "transformers", "hf-static"]
+    expected = report["config"]["max_output_tokens"]
+    for name, entry in entries.items():
+        assert entry["status"] == "ok", entry
+        assert entry["num_output_tokens"] == expected, name
+        assert entry["output_count_check"] == "ok", entry["output_count_check"]
+        cells = _row_cells(result.stdout, name)
+        for (_, key, digits), cell in zip(TABLE_COLUMNS, cells):
+            assert cell == fmt(entry[key], digits), (name, key)
+        throughput = (f"Throughput: {fmt(entry['requests_per_s'])} requests/s, {fmt(entry['total_tokens_per_s'])} "
+                      f"total tokens/s, {fmt(entry['output_tokens_per_s'])} output tokens/s ({name})")
+        assert throughput in result.stdout
+    assert entries["cbrun"]["ratio_to_cbrun"] == 1.0
+    assert entries["cbrun"]["ttft_p50_s"] is not None and entries["transformers"]["ttft_p99_s"] is not None
+    assert set(report["machine"]) >= {"cpu_model", "cpu_cores", "torch", "transformers", "device"}
+    assert report["compute_ceiling"]["gemm_gflops"]["bfloat16"]["best"] > 0
+    assert entries["cbrun"]["compute_ceiling_fraction"] > 0
+    assert "Compute ceiling fraction" in result.stdout
+    assert set(report["cbrun_stats"]) >= {"steps", "mean_decode_batch", "peak_kv_occupancy", "prefix_hit_rate",
+                                          "offloads", "soft_resets"}
+    assert report["cbrun_stats"]["steps"] > 0
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_prefix_workload_hits_the_prefix_cache_unless_disabled(tiny_llama_dir, tmp_path, no_gemm_probe, prefix_cache):
+    out_json = tmp_path / "bench.json"
+    args = ["--model", str(tiny_llama_dir), "--engine", "cbrun", "--prefix-len", "64", "--num-prompts", "8",
+            "--input-len", "8", "--output-len", "4", "--num-blocks", "128", "--page-size", "16",
+            "--output-json", str(out_json), "--quiet"]
+    result = _invoke(args + ([] if prefix_cache else ["--no-prefix-cache"]))
+    assert result.exit_code == 0, result.output
+    rate = json.loads(out_json.read_text())["cbrun_stats"]["prefix_hit_rate"]
+    if prefix_cache:
+        assert rate > 0
+    else:
+        assert rate == 0
+    assert re.search(r"prefix hit rate \d+\.\d%", result.stdout)
+
+
+def test_unavailable_peer_is_reported_and_the_others_still_run(tiny_llama_dir, tmp_path, no_gemm_probe):
+    out_json = tmp_path / "bench.json"
+    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm",
+                      "--vllm-python", str(tmp_path / "no-such-python"), "--output-json", str(out_json), *SMALL])
+    assert result.exit_code == 0, result.output
+    entries = {e["engine"]: e for e in json.loads(out_json.read_text())["results"]}
+    assert entries["hf-static"]["status"] == "ok"
+    assert entries["vllm"]["status"] == "unavailable"
+    assert "not an executable file" in entries["vllm"]["reason"]
+    assert "vllm: unavailable" in result.stdout
+    assert "(vllm)" not in result.stdout  # no throughput line is made up for it
+
+
+def test_vllm_interpreter_without_vllm_is_unavailable(tiny_llama_dir, tmp_path, monkeypatch, no_gemm_probe):
+    monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "empty"))  # no vllm reachable from this interpreter
+    out_json = tmp_path / "bench.json"
+    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "vllm", "--vllm-python", sys.executable,
+                      "--output-json", str(out_json), *SMALL])
+    assert result.exit_code == 0, result.output
+    entry = json.loads(out_json.read_text())["results"][0]
+    assert entry["status"] == "unavailable" and "cannot import vllm" in entry["reason"]
+
+
+FAKE_VLLM = textwrap.dedent('''
+    """A stand-in for vLLM's offline API: every request generates max_tokens tokens (or stops at 3)."""
+    __version__ = "0.0-fake"
+
+    class SamplingParams:
+        def __init__(self, n=1, max_tokens=16, ignore_eos=False, temperature=1.0, top_p=1.0, seed=None):
+            self.n, self.max_tokens, self.ignore_eos = n, max_tokens, ignore_eos
+
+    class _Completion:
+        def __init__(self, token_ids):
+            self.token_ids = token_ids
+
+    class _Metrics:
+        first_token_latency = 0.01
+
+    class _Output:
+        def __init__(self, prompt, params):
+            self.prompt_token_ids = prompt["prompt_token_ids"]
+            length = params.max_tokens if params.ignore_eos else min(3, params.max_tokens)
+            self.outputs = [_Completion([7] * length) for _ in range(params.n)]
+            self.metrics = _Metrics()
+
+    class LLM:
+        def __init__(self, model, tokenizer, dtype, seed, max_model_len, disable_log_stats):
+            import os
+            assert os.path.isfile(os.path.join(model, "config.json"))
+            self.max_model_len = max_model_len
+
+        def generate(self, prompts, params, use_tqdm=False):
+            return [_Output(p, sp) for p, sp in zip(prompts, params)]
+''')
+
+
+def test_vllm_peer_protocol_with_a_stand_in_vllm(tiny_llama_dir, tmp_path, monkeypatch, no_gemm_probe):
+    fake = tmp_path / "fake" / "vllm"
+    (fake / "inputs").mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "inputs" / "__init__.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                                 "    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
+    out_json = tmp_path / "bench.json"
+    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm", "--vllm-python", sys.executable,
+                      "--output-json", str(out_json), *SMALL])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out_json.read_text())
+    entries = {e["engine"]: e for e in report["results"]}
+    vllm = entries["vllm"]
+    assert vllm["status"] == "ok", vllm
+    assert vllm["num_output_tokens"] == entries["hf-static"]["num_output_tokens"] == report["config"]["max_output_tokens"]
+    assert vllm["ttft_p50_s"] == pytest.approx(0.01)
+    assert vllm["details"]["vllm_version"] == "0.0-fake"
+    assert vllm["details"]["model_dir"] == str(tiny_llama_dir)  # a local HF dir is passed as is
+
+
+def test_mismatched_output_counts_are_reported(tiny_llama_dir, tmp_path, monkeypatch, no_gemm_probe):
+    fake = tmp_path / "fake" / "vllm"
+    (fake / "inputs").mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_VLLM.replace("if params.ignore_eos else", "if False else"))
+    (fake / "inputs" / "__init__.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                                 "    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "vllm", "--vllm-python", sys.executable, *SMALL])
+    assert result.exit_code == 0, result.output
+    assert "OUTPUT TOKEN COUNT MISMATCH: vllm:" in result.stdout
+    assert "MISMATCH" in _row_cells(result.stdout, "vllm")[-1]
+
+
+def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp_path, no_gemm_probe):
+    data = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3)] + [{"prompt": "hello"}]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out_json = tmp_path / "bench.json"
+    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun,hf-static", "--dataset-path", str(data),
+                      "--output-len", "5", "--temperature", "0", "--num-blocks", "64", "--page-size", "16",
+                      "--output-json", str(out_json), "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out_json.read_text())
+    assert report["config"]["num_prompts"] == 4 and report["config"]["ignore_eos"] is False
+    assert all(e["status"] == "ok" and 0 < e["num_output_tokens"] <= 20 for e in report["results"])
+
+
+def test_unknown_engine_is_a_usage_error(tiny_llama_dir):
+    result = CliRunner().invoke(_app(), ["bench", "--model", str(tiny_llama_dir), "--engine", "cbrun,nope"])
+    assert result.exit_code == 2
+    assert "nope" in result.output
