@@ -1,0 +1,152 @@
+"""The Python API: cancel, hard stop, drain, streaming, failing requests, stats."""
+
+import threading
+import time
+
+import pytest
+
+from cbrun.engine import Engine, EngineConfig, SamplingParams
+from cbrun.models import load_model
+from engine_helpers import random_prompts, run_engine
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir), dtype="float32")
+
+
+def _vocab(model):
+    return model.get_input_embeddings().weight.shape[0]
+
+
+LONG = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+
+
+def _wait_until(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_cancel_frees_blocks_at_once(llama):
+    model, tokenizer = llama
+    prompt = random_prompts(_vocab(model), [100], seed=1)[0]
+    with Engine(model, tokenizer, EngineConfig(page_size=16, num_blocks=200)) as engine:
+        engine.add_request(prompt, LONG, request_id="victim")
+        _wait_until(lambda: engine.stats().blocks_used >= 8)
+        assert engine.cancel_request("victim")
+        assert engine.stats().blocks_used == 0
+        result = engine.get_result("victim", timeout=10)
+    assert result.finish_reason == "cancelled"
+    assert not engine.cancel_request("unknown")
+
+
+def test_hard_stop_fails_queued_and_active_requests(llama):
+    model, tokenizer = llama
+    prompts = random_prompts(_vocab(model), [40] * 6, seed=2)
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=200, max_requests_per_batch=2))
+    ids = [engine.add_request(p, LONG) for p in prompts]
+    _wait_until(lambda: engine.stats().generated_tokens > 0)
+    engine.stop(hard=True)
+    results = [engine.get_result(i, timeout=10) for i in ids]
+    assert all(r.finish_reason == "error" and "engine stopped" in r.error for r in results)
+    with pytest.raises(RuntimeError):
+        engine.add_request(prompts[0])
+    engine.destroy()
+
+
+def test_drain_stop_finishes_everything(llama):
+    model, tokenizer = llama
+    prompts = random_prompts(_vocab(model), [30] * 5, seed=3)
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=200))
+    ids = engine.add_requests(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.stop()
+    results = [engine.get_result(i, timeout=10) for i in ids]
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 8 for r in results)
+    engine.destroy()
+
+
+def test_stream_yields_each_token_once_in_order(llama):
+    model, tokenizer = llama
+    prompt = random_prompts(_vocab(model), [20], seed=4)[0]
+    params = SamplingParams(max_tokens=15, temperature=0, ignore_eos=True)
+    with Engine(model, tokenizer, EngineConfig(num_blocks=100)) as engine:
+        engine.add_request(random_prompts(_vocab(model), [50], seed=9)[0], params)  # company
+        rid = engine.add_request(prompt, params, stream=True)
+        chunks = list(engine.stream(rid))
+        reference = engine.generate_batch([prompt], params)[0]
+    tokens = [c.token_id for c in chunks if c.token_id is not None]
+    assert tokens == reference.token_ids
+    assert chunks[-1].finish_reason == "length" and chunks[-1].token_id is None
+    assert "".join(c.text for c in chunks) == reference.text
+    assert [c.logprob for c in chunks[:-1]] == pytest.approx(reference.logprobs, abs=1e-5)
+
+
+def test_failing_requests_leave_the_others_unchanged(llama):
+    model, tokenizer = llama
+    vocab = _vocab(model)
+    good = random_prompts(vocab, [10, 60, 25], seed=5)
+    config = EngineConfig(num_blocks=128)
+    alone = run_engine(model, tokenizer, good, [12] * 3, config)
+    bad = {
+        "empty": ([], {}),
+        "vocab": ([1, 2, vocab + 5], {}),
+        "context": ([1] * 10, {"max_tokens": engine_context(model) + 1}),
+        "sampling": ([1, 2, 3], {"top_p": 0.0}),
+    }
+    with Engine(model, tokenizer, config) as engine:
+        for name, (prompt, extra) in bad.items():
+            engine.add_request(prompt, {"max_tokens": 5, **extra}, request_id=name)
+        for i, p in enumerate(good):
+            engine.add_request(p, SamplingParams(max_tokens=12, temperature=0), request_id=f"g{i}")
+        failed = {name: engine.get_result(name, timeout=60) for name in bad}
+        mixed = [engine.get_result(f"g{i}", timeout=60) for i in range(3)]
+    assert "empty prompt" in failed["empty"].error
+    assert "outside the vocabulary" in failed["vocab"].error
+    assert "context" in failed["context"].error
+    assert "top_p" in failed["sampling"].error
+    assert all(f.finish_reason == "error" for f in failed.values())
+    assert [r.token_ids for r in mixed] == [r.token_ids for r in alone]
+
+
+def engine_context(model):
+    return model.config.max_position_embeddings
+
+
+def test_duplicate_active_id_fails_the_newcomer(llama):
+    model, tokenizer = llama
+    prompt = random_prompts(_vocab(model), [20], seed=6)[0]
+    with Engine(model, tokenizer, EngineConfig(num_blocks=100)) as engine:
+        engine.add_request(prompt, LONG, request_id="same")
+        engine.add_request(prompt, LONG, request_id="same")
+        first = engine.get_result("same", timeout=30)
+        assert first.finish_reason == "error" and "duplicate" in first.error
+        engine.cancel_request("same")
+
+
+def test_iteration_and_stats(llama):
+    model, tokenizer = llama
+    prompts = random_prompts(_vocab(model), [8, 16, 32, 64], seed=7)
+    with Engine(model, tokenizer, EngineConfig(page_size=16, num_blocks=100)) as engine:
+        engine.add_requests(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, n=2))
+        outputs = list(engine)
+        stats = engine.stats()
+    assert len(outputs) == 8
+    assert stats.steps > 0 and stats.generated_tokens == 32 and stats.finished == 8
+    assert stats.blocks_used + stats.blocks_free + stats.blocks_cached == stats.blocks_total
+    assert stats.output_tokens_per_s > 0
+
+
+def test_add_requests_from_threads(llama):
+    model, tokenizer = llama
+    prompts = random_prompts(_vocab(model), [12] * 8, seed=8)
+    with Engine(model, tokenizer, EngineConfig(num_blocks=100)) as engine:
+        threads = [threading.Thread(target=engine.add_request, args=(p, {"max_tokens": 3}, f"t{i}"))
+                   for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        got = sorted(engine.get_result(timeout=30).request_id for _ in prompts)
+    assert got == sorted(f"t{i}" for i in range(8))

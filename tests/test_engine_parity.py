@@ -1,0 +1,99 @@
+"""Greedy parity with transformers' model.generate, and logprobs against a plain forward (fp32)."""
+
+import copy
+
+import pytest
+
+from cbrun.engine import EngineConfig
+from engine_helpers import load_pair, random_prompts, reference_greedy, reference_logprobs, run_engine, spread
+
+# (page_size, max_batch_tokens, scheduler, max_requests_per_batch): every pair of values
+# across the four knobs appears in at least one row (a pairwise covering set).
+TINY_CONFIGS = [
+    (16, 32, "fifo", 1),
+    (16, 128, "prefill-first", 4),
+    (16, 4096, "fifo", 64),
+    (64, 32, "prefill-first", 64),
+    (64, 128, "fifo", 1),
+    (64, 4096, "prefill-first", 4),
+    (256, 32, "fifo", 4),
+    (256, 128, "prefill-first", 64),
+    (256, 4096, "fifo", 1),
+    (256, 4096, "prefill-first", 64),
+    (16, 32, "prefill-first", 1),
+]
+SMOLLM_CONFIGS = [(16, 32, "fifo", 4), (64, 128, "prefill-first", 64), (256, 4096, "fifo", 1)]
+
+NUM_PROMPTS = 32
+PROMPT_LENGTHS = spread(NUM_PROMPTS, 1, 600)
+MAX_TOKENS = spread(NUM_PROMPTS, 1, 64)
+
+
+def _workload(model):
+    vocab = model.get_input_embeddings().weight.shape[0]
+    return random_prompts(vocab, PROMPT_LENGTHS, seed=vocab)
+
+
+@pytest.fixture(scope="module")
+def llama_case(tiny_llama_dir):
+    engine_model, ref_model, tokenizer = load_pair(str(tiny_llama_dir))
+    prompts = _workload(ref_model)
+    refs = [reference_greedy(ref_model, p, m) for p, m in zip(prompts, MAX_TOKENS)]
+    return engine_model, ref_model, tokenizer, prompts, refs
+
+
+@pytest.fixture(scope="module")
+def qwen3_case(tiny_qwen3_dir):
+    engine_model, ref_model, tokenizer = load_pair(str(tiny_qwen3_dir))
+    prompts = _workload(ref_model)
+    refs = [reference_greedy(ref_model, p, m) for p, m in zip(prompts, MAX_TOKENS)]
+    return engine_model, ref_model, tokenizer, prompts, refs
+
+
+@pytest.fixture(scope="module")
+def smollm_case(smollm2):
+    ref_model, tokenizer = smollm2
+    engine_model = copy.deepcopy(ref_model)  # the engine switches its attention; keep the fixture's
+    prompts = _workload(ref_model)
+    refs = [reference_greedy(ref_model, p, m) for p, m in zip(prompts, MAX_TOKENS)]
+    return engine_model, ref_model, tokenizer, prompts, refs
+
+
+def _check_parity(case, page, budget, scheduler, max_requests):
+    engine_model, _, tokenizer, prompts, refs = case
+    config = EngineConfig(page_size=page, max_batch_tokens=budget, scheduler=scheduler,
+                          max_requests_per_batch=max_requests, num_blocks=4096 // page * 8)
+    results = run_engine(engine_model, tokenizer, prompts, MAX_TOKENS, config)
+    for prompt, result, ref in zip(prompts, results, refs):
+        assert result.error is None
+        assert result.token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
+        assert result.finish_reason in ("stop", "length")
+    return results
+
+
+@pytest.mark.parametrize("page,budget,scheduler,max_requests", TINY_CONFIGS)
+def test_greedy_matches_generate_tiny_llama(llama_case, page, budget, scheduler, max_requests):
+    _check_parity(llama_case, page, budget, scheduler, max_requests)
+
+
+@pytest.mark.parametrize("page,budget,scheduler,max_requests", TINY_CONFIGS)
+def test_greedy_matches_generate_tiny_qwen3(qwen3_case, page, budget, scheduler, max_requests):
+    _check_parity(qwen3_case, page, budget, scheduler, max_requests)
+
+
+@pytest.mark.parametrize("page,budget,scheduler,max_requests", SMOLLM_CONFIGS)
+def test_greedy_matches_generate_smollm2(smollm_case, page, budget, scheduler, max_requests):
+    _check_parity(smollm_case, page, budget, scheduler, max_requests)
+
+
+@pytest.mark.parametrize("case_name", ["llama_case", "qwen3_case", "smollm_case"])
+def test_logprobs_match_plain_forward(request, case_name):
+    case = request.getfixturevalue(case_name)
+    engine_model, ref_model, tokenizer, prompts, refs = case
+    config = EngineConfig(page_size=64, max_batch_tokens=128, num_blocks=512)
+    results = run_engine(engine_model, tokenizer, prompts[:12], MAX_TOKENS[:12], config)
+    for prompt, result in zip(prompts, results):
+        expected = reference_logprobs(ref_model, prompt, result.token_ids)
+        assert len(result.logprobs) == len(result.token_ids)
+        for got, want in zip(result.logprobs, expected):
+            assert abs(got - want) < 1e-4
