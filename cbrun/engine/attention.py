@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from cbrun.engine.batch import GroupLayout, PagedBatch, PrefillSeq
+from cbrun.engine.batch import DecodeLayout, PagedBatch, PrefillSeq
 
 ATTENTION_NAME = "cbrun_paged"
 BATCH_KWARG = "cbrun_batch"
@@ -37,7 +37,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
     if batch.num_decode:
         q = query[0, :, : batch.num_decode]  # [H, B, D]
-        out[: batch.num_decode] = _decode(q, k_pool, v_pool, layout, scale)
+        if batch.decode_kernel is not None:
+            out[: batch.num_decode] = batch.decode_kernel(
+                q.transpose(0, 1).contiguous(), k_pool, v_pool, layout.decode.tables, layout.decode.kv_len,
+                layout.decode.kv_lo, layout.decode.first_page, layout.decode.max_len, scale)
+        else:
+            out[: batch.num_decode] = _decode(q, k_pool, v_pool, layout.decode, scale)
     for seq in layout.prefills:
         out[seq.start: seq.end] = _prefill(query, key, value, k_pool, v_pool, seq, scale)
     return out.unsqueeze(0), None
@@ -50,16 +55,16 @@ def _write(k_pool, v_pool, key, value, slots) -> None:
     v_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, value)
 
 
-def _decode(q: torch.Tensor, k_pool, v_pool, layout: GroupLayout, scale: float) -> torch.Tensor:
-    """One query per sequence, all sequences at once: [H, B, D] -> [B, H, D]."""
+def _decode(q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float) -> torch.Tensor:
+    """Torch path: one query per sequence, all sequences at once: [H, B, D] -> [B, H, D]."""
     num_heads, batch, dim = q.shape
     num_kv = k_pool.shape[0]
     group = num_heads // num_kv
-    keys = k_pool.index_select(1, layout.decode_pages).view(num_kv, batch, -1, dim)  # [H_kv, B, L, D]
-    values = v_pool.index_select(1, layout.decode_pages).view(num_kv, batch, -1, dim)
+    keys = k_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)  # [H_kv, B, L, D]
+    values = v_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)
     q = q.view(num_kv, group, batch, dim).transpose(1, 2)  # [H_kv, B, G, D]
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [H_kv, B, G, L]
-    scores += layout.decode_bias  # [B, 1, L] broadcasts
+    scores += layout.bias  # [B, 1, L] broadcasts
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [H_kv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads, dim)

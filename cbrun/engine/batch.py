@@ -38,9 +38,25 @@ class GroupLayout:
     """Addresses for one attention type (full or sliding) in this step."""
 
     write_slots: torch.Tensor  # [T] flat slot (block * page + offset) of each new token
-    decode_pages: torch.Tensor | None  # [num_decode * max_pages] block ids, padded
-    decode_bias: torch.Tensor | None  # [num_decode, 1, max_pages * page] 0 or -inf, fp32
+    decode: DecodeLayout | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+@dataclass
+class DecodeLayout:
+    """Where the keys of every single-query sequence lie.
+
+    The compiled kernel reads pages in place from `tables`; the torch path
+    gathers `pages` and masks with `bias` (built only when it is used).
+    """
+
+    tables: torch.Tensor  # [B, max_pages] int64 block ids, padded with each row's first block
+    kv_len: torch.Tensor  # [B] keys visible at positions < kv_len ...
+    kv_lo: torch.Tensor  # [B] ... and >= kv_lo (sliding window), else 0
+    first_page: torch.Tensor  # [B] logical page of tables[:, 0]
+    max_len: int  # max(kv_len - kv_lo)
+    pages: torch.Tensor | None = None  # [B * max_pages] (torch path)
+    bias: torch.Tensor | None = None  # [B, 1, max_pages * page] 0 or -inf, fp32 (torch path)
 
 
 @dataclass
@@ -55,6 +71,7 @@ class PagedBatch:
     groups: dict[str, GroupLayout]
     store: KVStore
     layer_groups: tuple[str, ...]  # attention type of each layer: "full" or "sliding"
+    decode_kernel: object | None = None  # compiled CPU decode kernel, when available
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +82,10 @@ class BatchBuilder:
     """Turns (request, new tokens) pairs into a PagedBatch for the cache's allocators."""
 
     def __init__(self, cache: KVCacheManager, store: KVStore, layer_groups: tuple[str, ...],
-                 page_size: int, sliding_window: int | None, device: torch.device) -> None:
+                 page_size: int, sliding_window: int | None, device: torch.device,
+                 decode_kernel=None) -> None:
+        self.decode_kernel = decode_kernel
+        self.torch_decode = decode_kernel is None  # build the gather/bias form for the torch path
         self.cache = cache
         self.store = store
         self.layer_groups = layer_groups
@@ -97,6 +117,7 @@ class BatchBuilder:
             groups=groups,
             store=self.store,
             layer_groups=self.layer_groups,
+            decode_kernel=self.decode_kernel,
         )
 
     # -- per attention type -------------------------------------------------
@@ -111,35 +132,38 @@ class BatchBuilder:
             tables.append((table, first))
             for pos in range(request.num_computed_tokens, request.num_computed_tokens + count):
                 slots.append(table[pos // page - first] * page + pos % page)
-        layout = GroupLayout(
-            write_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decode_pages=None,
-            decode_bias=None,
-        )
+        layout = GroupLayout(write_slots=torch.tensor(slots, dtype=torch.long, device=self.device))
         if num_decode:
-            self._decode_layout(layout, items[:num_decode], tables[:num_decode], window)
+            layout.decode = self._decode_layout(items[:num_decode], tables[:num_decode], window)
         offset = num_decode
         for (request, count), (table, first) in zip(items[num_decode:], tables[num_decode:]):
             layout.prefills.append(self._prefill_seq(request, count, offset, table, first, window))
             offset += count
         return layout
 
-    def _decode_layout(self, layout: GroupLayout, items, tables, window: int | None) -> None:
-        """Padded page lists and a key bias for all single-query sequences at once."""
+    def _decode_layout(self, items, tables, window: int | None) -> DecodeLayout:
+        """Padded block tables and visible key ranges for all single-query sequences at once."""
         page = self.page_size
         max_pages = max(len(table) for table, _ in tables)
         padded = [table + [table[0]] * (max_pages - len(table)) for table, _ in tables]
-        first = torch.tensor([f for _, f in tables], dtype=torch.long)  # [B]
-        kv_len = torch.tensor([r.num_computed_tokens + 1 for r, _ in items], dtype=torch.long)  # [B]
-        offsets = torch.arange(max_pages * page, dtype=torch.long)  # [L]
-        key_pos = first[:, None] * page + offsets[None, :]  # [B, L]
-        valid = key_pos < kv_len[:, None]
-        if window is not None:
-            valid &= key_pos > kv_len[:, None] - 1 - window
-        bias = torch.zeros(valid.shape, dtype=torch.float32)
-        bias.masked_fill_(~valid, float("-inf"))
-        layout.decode_pages = torch.tensor(padded, dtype=torch.long).view(-1).to(self.device)
-        layout.decode_bias = bias[:, None, :].to(self.device)  # [B, 1, L]
+        lengths = [r.num_computed_tokens + 1 for r, _ in items]
+        lows = [max(0, n - window) if window is not None else 0 for n in lengths]
+        as_long = dict(dtype=torch.long, device=self.device)
+        layout = DecodeLayout(
+            tables=torch.tensor(padded, **as_long),
+            kv_len=torch.tensor(lengths, **as_long),
+            kv_lo=torch.tensor(lows, **as_long),
+            first_page=torch.tensor([f for _, f in tables], **as_long),
+            max_len=max(n - lo for n, lo in zip(lengths, lows)),
+        )
+        if self.torch_decode:
+            offsets = torch.arange(max_pages * page, **as_long)  # [L]
+            key_pos = layout.first_page[:, None] * page + offsets[None, :]  # [B, L]
+            valid = (key_pos < layout.kv_len[:, None]) & (key_pos >= layout.kv_lo[:, None])
+            bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device)
+            layout.bias = bias.masked_fill_(~valid, float("-inf"))[:, None, :]  # [B, 1, L]
+            layout.pages = layout.tables.view(-1)
+        return layout
 
     def _prefill_seq(self, request: Request, count: int, offset: int, table: list[int],
                      first: int, window: int | None) -> PrefillSeq:

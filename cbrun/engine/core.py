@@ -16,6 +16,7 @@ import torch
 from cbrun.engine.attention import register as register_attention
 from cbrun.engine.batch import BatchBuilder
 from cbrun.engine.config import EngineConfig, StatsSnapshot
+from cbrun.engine.cpu_kernels import load_decode_kernel
 from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
@@ -68,13 +69,22 @@ class EngineCore:
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
-                                    self.spec.sliding_window, self.device)
+                                    self.spec.sliding_window, self.device, self._decode_kernel())
         self.runner = ModelRunner(model)
         self.detok = Detokenizer(tokenizer)
         self._stats = StatsSnapshot(blocks_total=num_blocks)
         self._started = time.perf_counter()
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, config.page_size,
                  self.store.nbytes / 2**30, self.spec.kv.dtype)
+
+    def _decode_kernel(self):
+        """The compiled CPU decode kernel when it applies to this model, else None (torch path)."""
+        if self.device.type != "cpu":
+            return None
+        kernel = load_decode_kernel()
+        kv = self.spec.kv
+        group_dim = self.model.config.num_attention_heads // kv.num_kv_heads * kv.head_dim
+        return kernel if kernel is not None and kernel.supports(kv.dtype, group_dim) else None
 
     # -- requests ---------------------------------------------------------
     def validate(self, prompt_ids: list[int], max_tokens: int) -> str | None:
