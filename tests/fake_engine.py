@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
 
 from cbrun.engine.config import SamplingParams, StatsSnapshot
 from cbrun.engine.request import GenerationOutput
@@ -49,25 +48,28 @@ class FakeTokenizer:
 
 def fake_completion(prompt: list[int], seed: int, sample: int, max_tokens: int) -> list[int]:
     """Lowercase letters that depend on the prompt, the seed and the sample index only."""
-    rng = random.Random(hash((tuple(prompt), seed, sample)) & 0xFFFFFFFF)
-    return [ord("a") + OFFSET + rng.randrange(26) for _ in range(max_tokens)]
+    h = hash((tuple(prompt), seed, sample))
+    return [ord("a") + OFFSET + (h >> (k % 48)) % 26 for k in range(max_tokens)]
 
 
 class FakeEngine:
-    """Finishes requests in a shuffled order, one result per get_result call.
+    """Finishes requests in a random order, one result per get_result call.
 
     fail: request ids the engine fails with an error.
+    record_submitted: keep the submitted ids in `submitted` (off for memory measurements).
     max_in_flight: the most results submitted and not yet returned, seen so far.
     """
 
-    def __init__(self, max_context: int = 512, fail: set[str] | None = None, seed: int = 0):
+    def __init__(self, max_context: int = 512, fail: set[str] | None = None, seed: int = 0,
+                 record_submitted: bool = True):
         self.tokenizer = FakeTokenizer()
         self.max_context = max_context
         self.vocab_size = FakeTokenizer.vocab_size
         self.fail = fail or set()
-        self._ready: deque[GenerationOutput] = deque()
+        self._ready: list[GenerationOutput] = []
         self._rng = random.Random(seed)
         self.submitted: list[str] = []
+        self.record_submitted = record_submitted
         self.max_in_flight = 0
         self.stopped = False
         self.stats_calls = 0
@@ -78,7 +80,8 @@ class FakeEngine:
             raise RuntimeError("engine is stopped; no new requests are accepted")
         sampling = sampling or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.submitted.append(request_id)
+        if self.record_submitted:
+            self.submitted.append(request_id)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
         error = "boom" if request_id in self.fail else None
         if len(ids) + sampling.max_tokens > self.max_context:
@@ -90,26 +93,23 @@ class FakeEngine:
             self._ready.append(GenerationOutput(
                 request_id, sample, ids, tokens, self.tokenizer.decode(tokens), [-0.25] * len(tokens),
                 "error" if error else "length", error, top, num_cached_tokens=0))
-        # completion order differs from submission order
-        items = list(self._ready)
-        self._rng.shuffle(items)
-        self._ready = deque(items)
         self.max_in_flight = max(self.max_in_flight, len(self._ready))
         return request_id
 
     def get_result(self, request_id=None, timeout=None):
+        """A random finished result: completion order differs from submission order."""
         if not self._ready:
             time.sleep(min(timeout or 0, 0.001))
             return None
-        return self._ready.popleft()
+        pick = self._rng.randrange(len(self._ready))
+        self._ready[pick], self._ready[-1] = self._ready[-1], self._ready[pick]
+        return self._ready.pop()
 
     def stop(self, hard: bool = False, timeout=None) -> None:
         self.stopped = True
         if hard:
-            self._ready = deque(
-                GenerationOutput(o.request_id, o.sample_index, o.prompt_token_ids, [], "", [], "error",
-                                 "engine stopped before the request finished")
-                for o in self._ready)
+            self._ready = [GenerationOutput(o.request_id, o.sample_index, o.prompt_token_ids, [], "", [], "error",
+                                            "engine stopped before the request finished") for o in self._ready]
 
     def stats(self) -> StatsSnapshot:
         self.stats_calls += 1

@@ -40,7 +40,8 @@ class BadRow:
 class RowSpec:
     """A parsed row whose prompt is not tokenized yet.
 
-    kind: "text", "chat" or "ids"; value: the string, the messages or the ids.
+    kind: "text", "chat" or "ids"; value: the string, the messages or the ids
+    (dropped once `token_ids` is set, to keep in-flight rows small).
     meta: format-specific extras (the OpenAI endpoint and logprob options).
     """
 
@@ -151,7 +152,8 @@ class RowPreparer:
         to_encode: list[tuple[RowSpec, str, bool]] = []  # (spec, text, add_special_tokens)
         for spec in specs:
             if spec.kind == "ids":
-                spec.token_ids = list(spec.value)
+                spec.token_ids = spec.value if isinstance(spec.value, list) else list(spec.value)
+                spec.value = None
                 results.append(spec)
                 continue
             text = spec.value if spec.kind == "text" else self._render_chat(spec)
@@ -165,7 +167,7 @@ class RowPreparer:
             if group:
                 encoded = self.tokenizer([text for _, text in group], add_special_tokens=add_special)["input_ids"]
                 for (spec, _), ids in zip(group, encoded):
-                    spec.token_ids = list(ids)
+                    spec.token_ids, spec.value = list(ids), None  # the text is not needed any more
         return [self._check(r) if isinstance(r, RowSpec) else r for r in results]
 
     def _render_chat(self, spec: RowSpec) -> str | BadRow:
@@ -184,11 +186,10 @@ class RowPreparer:
         if len(ids) + max_tokens > self.max_context:
             return _bad_from(spec, f"{spec.field}: prompt of {len(ids)} tokens plus max_tokens {max_tokens} "
                                    f"exceeds the model's context of {self.max_context} tokens")
-        if spec.kind == "ids":
-            for pos, token in enumerate(ids):
-                if not 0 <= token < self.vocab_size:
-                    return _bad_from(spec, f"{spec.field}: token id {token} at position {pos} is outside "
-                                           f"the vocabulary [0, {self.vocab_size})")
+        if spec.kind == "ids" and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+            pos, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
+            return _bad_from(spec, f"{spec.field}: token id {token} at position {pos} is outside "
+                                   f"the vocabulary [0, {self.vocab_size})")
         return spec
 
 
@@ -236,11 +237,13 @@ def _strip_field(name: str, message: str) -> str:
 def _prompt_kind(value: Any) -> str | None:
     if isinstance(value, str):
         return "text" if value else None
-    if isinstance(value, (list, tuple)) and value:
-        if all(isinstance(m, dict) for m in value):
-            return "chat" if all(isinstance(m.get("role"), str) and "content" in m for m in value) else None
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            return "ids"
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    types = set(map(type, value))  # C speed: prompts can hold thousands of ids
+    if types == {int}:
+        return "ids"
+    if types == {dict}:
+        return "chat" if all(isinstance(m.get("role"), str) and "content" in m for m in value) else None
     return None
 
 

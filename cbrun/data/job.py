@@ -1,0 +1,307 @@
+"""The generate job: input rows -> engine -> output rows, with bounded memory.
+
+    reader thread --(bounded queue)--> parse, resume check, tokenize
+        --(sorted by prompt token ids)--> engine.add_request
+    engine.get_result --> format --> writer (completion order)
+
+At most `window` input rows are in flight (submitted and not yet fully
+written) and at most PREFETCH_ROWS more wait in the reader's queue, whatever
+the input length. New rows are taken once half the window has drained, so the
+engine always has work while each refill is large enough for prefix sorting.
+
+Stopping: `stop()` stops taking input and lets in-flight rows finish;
+`stop(hard=True)` stops the engine at once (its queued and running requests
+fail with "engine stopped"); results finished before are written, the killed
+ones are not, so `--resume` redoes exactly them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from cbrun.data.openai_batch import OpenAIFormat
+from cbrun.data.prompts import BadRow, RowPreparer, RowSpec
+from cbrun.data.reader import InputError, RawRow
+from cbrun.data.resume import ResumeState
+from cbrun.data.schema import is_killed
+from cbrun.engine.request import GenerationOutput
+
+DEFAULT_WINDOW = 4096
+PREFETCH_ROWS = 1024  # rows parsed ahead of the window
+POLL_SECONDS = 0.1
+
+
+@dataclass
+class JobProgress:
+    """Counters of a running job, read by the dashboard (rows are input rows)."""
+
+    rows_total: int | None = None
+    rows_done: int = 0  # input rows fully written (including skipped and failed)
+    rows_failed: int = 0  # rows with an error row in the output (including earlier runs)
+    rows_skipped: int = 0  # rows found complete in OUTPUT by --resume
+    rows_in_flight: int = 0
+    samples_written: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    finished: float | None = None
+    interrupted: bool = False
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.finished or time.perf_counter()) - self.started
+
+
+@dataclass
+class _Row:
+    """An input row being generated; `remaining` counts samples still running."""
+
+    spec: RowSpec
+    remaining: int
+    results: list[tuple[int, GenerationOutput]] = field(default_factory=list)
+    skip: set[int] = field(default_factory=set)  # samples already in OUTPUT (resume)
+    failed: bool = False
+    killed: bool = False
+
+
+@dataclass
+class _Request:
+    row: _Row
+    remaining: int
+
+
+class GenerateJob:
+    """Runs one generate job to completion (or until stopped).
+
+    engine: an Engine (add_request, get_result, stop).
+    rows: the input rows. preparer: validation and tokenization.
+    fmt: the output format (CbrunFormat or OpenAIFormat); writer: where rows go.
+    openai: set when the input is OpenAI Batch API requests (rows are converted first).
+    resume: what an earlier run wrote (those rows are skipped).
+    """
+
+    def __init__(self, engine, rows: Iterable[RawRow], preparer: RowPreparer, fmt, writer, *,
+                 openai: OpenAIFormat | None = None, resume: ResumeState | None = None,
+                 window: int = DEFAULT_WINDOW, progress: JobProgress | None = None):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.engine = engine
+        self.rows = rows
+        self.preparer = preparer
+        self.fmt = fmt
+        self.writer = writer
+        self.openai = openai
+        self.resume = resume
+        self.window = window
+        self.progress = progress or JobProgress()
+        if resume is not None:
+            self.progress.rows_failed = resume.failed_rows
+        self._requests: dict[str, _Request] = {}
+        self._stop_level = 0  # 1: stop reading input, 2: stop at once
+
+    def stop(self, hard: bool = False) -> None:
+        """Safe to call from a signal handler: only sets a flag the loop reads."""
+        self._stop_level = max(self._stop_level, 2 if hard else 1)
+
+    def run(self) -> JobProgress:
+        reader = _Prefetch(self.rows, maxsize=min(self.window, PREFETCH_ROWS))
+        try:
+            while True:
+                if self._stop_level >= 2:
+                    self._stop_engine()
+                    break
+                if self._stop_level == 0 and not reader.exhausted:
+                    room = self.window - self.progress.rows_in_flight
+                    if room >= max(1, self.window // 2):
+                        self._submit(reader.take(room, timeout=0 if self._requests else POLL_SECONDS))
+                if not self._requests:
+                    if reader.exhausted or self._stop_level:
+                        break
+                    self.writer.maybe_flush()
+                    continue
+                out = self.engine.get_result(timeout=POLL_SECONDS)
+                if out is not None:
+                    self._on_result(out)
+                self.writer.maybe_flush()
+        finally:
+            reader.close()
+            self.writer.flush()
+            self.progress.finished = time.perf_counter()
+        self.progress.interrupted = self._stop_level > 0
+        if self.progress.rows_total is not None and not self.progress.interrupted:
+            self.progress.rows_total = self.progress.rows_done
+        return self.progress
+
+    # --- input side -----------------------------------------------------------
+
+    def _submit(self, raws: list[RawRow]) -> None:
+        to_tokenize: list[tuple[RowSpec, list[int]]] = []
+        for raw in raws:
+            spec = self._parse(raw)
+            if isinstance(spec, BadRow):
+                self._write_bad(spec)
+                continue
+            samples = self.resume.missing_samples(spec.id, spec.sampling.n) if self.resume else \
+                list(range(spec.sampling.n))
+            if not samples:
+                self._count_skipped()
+                continue
+            to_tokenize.append((spec, samples))
+        missing = {spec.index: samples for spec, samples in to_tokenize}
+        ready = []
+        for item in self.preparer.tokenize([spec for spec, _ in to_tokenize]):
+            if isinstance(item, BadRow):
+                self._write_bad(item)
+            else:
+                ready.append(item)
+        ready.sort(key=lambda spec: spec.token_ids)  # shared prefixes adjacent: prefix-cache hits
+        for spec in ready:
+            self._add(spec, missing[spec.index])
+
+    def _parse(self, raw: RawRow) -> RowSpec | BadRow:
+        if self.openai is None:
+            return self.preparer.parse(raw)
+        converted = self.openai.convert(raw)
+        if isinstance(converted, BadRow):
+            return converted
+        record, meta = converted
+        return self.preparer.parse(raw, record, meta)
+
+    def _add(self, spec: RowSpec, samples: list[int]) -> None:
+        """Submit a row. On resume a row with only some samples written is run whole and the
+        written samples are dropped: a sample's random stream is (seed, sample index), so it
+        cannot be asked for alone, and a seeded rerun reproduces the missing ones exactly."""
+        n = spec.sampling.n
+        row = _Row(spec, remaining=n, skip=set(range(n)) - set(samples))
+        self.progress.rows_in_flight += 1
+        request_id = str(spec.index)
+        self._requests[request_id] = _Request(row, n)
+        self.engine.add_request(spec.token_ids, spec.sampling, request_id=request_id)
+
+    def _write_bad(self, bad: BadRow) -> None:
+        if self.resume is not None and self.resume.has_bad_row(bad.index):
+            self._count_skipped()
+            return
+        self.writer.write(self.fmt.bad_row(bad))
+        self.progress.samples_written += 1
+        self.progress.rows_done += 1
+        self.progress.rows_failed += 1
+
+    def _count_skipped(self) -> None:
+        self.progress.rows_skipped += 1
+        self.progress.rows_done += 1
+
+    # --- output side ------------------------------------------------------------
+
+    def _on_result(self, out: GenerationOutput) -> None:
+        request = self._requests.get(out.request_id)
+        if request is None:  # not ours (or already complete): nothing to write
+            return
+        request.remaining -= 1
+        if request.remaining == 0:
+            del self._requests[out.request_id]
+        row = request.row
+        row.remaining -= 1
+        sample = out.sample_index
+        if self._stop_level >= 2 and is_killed(out.finish_reason, out.error):
+            row.killed = True
+        elif sample not in row.skip:
+            row.failed |= out.finish_reason == "error"
+            self._count_tokens(row.spec, out)
+            if self.fmt.per_row:
+                row.results.append((sample, out))
+            else:
+                self._write(self.fmt.result_rows(row.spec, [(sample, out)]))
+        if row.remaining == 0:
+            self._finish_row(row)
+
+    def _finish_row(self, row: _Row) -> None:
+        self.progress.rows_in_flight -= 1
+        if row.killed:
+            return  # not written (or only partly, per sample): --resume redoes it
+        if self.fmt.per_row:
+            self._write(self.fmt.result_rows(row.spec, row.results))
+        self.progress.rows_done += 1
+        self.progress.rows_failed += row.failed
+
+    def _write(self, rows: list[dict]) -> None:
+        for row in rows:
+            self.writer.write(row)
+        self.progress.samples_written += len(rows)
+
+    def _count_tokens(self, spec: RowSpec, out: GenerationOutput) -> None:
+        self.progress.prompt_tokens += len(spec.token_ids or ())
+        self.progress.completion_tokens += len(out.token_ids)
+        self.progress.cached_tokens += out.num_cached_tokens
+
+    def _stop_engine(self, drain_seconds: float = 5.0) -> None:
+        """Hard stop: fail what is running, then write what had finished before."""
+        self.engine.stop(hard=True, timeout=drain_seconds)
+        deadline = time.monotonic() + drain_seconds
+        while self._requests and time.monotonic() < deadline:
+            out = self.engine.get_result(timeout=POLL_SECONDS)
+            if out is None:
+                break
+            self._on_result(out)
+
+
+_END = object()
+
+
+class _Prefetch:
+    """Reads input rows on a thread into a bounded queue.
+
+    A slow producer (stdin in a pipeline) then never delays writing results,
+    and rows are submitted as soon as they arrive.
+    """
+
+    def __init__(self, rows: Iterable[RawRow], maxsize: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self._closed = threading.Event()
+        self.exhausted = False
+        self._thread = threading.Thread(target=self._run, args=(iter(rows),), name="cbrun-reader", daemon=True)
+        self._thread.start()
+
+    def _run(self, rows: Iterator[RawRow]) -> None:
+        try:
+            for row in rows:
+                if not self._put(row):
+                    return
+        except Exception as exc:  # an I/O error mid-input: reported by take()
+            self._put(exc)
+            return
+        self._put(_END)
+
+    def _put(self, item) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=POLL_SECONDS)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def take(self, limit: int, timeout: float) -> list[RawRow]:
+        """Up to `limit` rows: waits up to `timeout` for the first, then takes what is ready."""
+        rows: list[RawRow] = []
+        while len(rows) < limit and not self.exhausted:
+            try:
+                item = self._queue.get(timeout=timeout) if not rows and timeout > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is _END:
+                self.exhausted = True
+            elif isinstance(item, Exception):
+                self.exhausted = True
+                raise InputError(f"reading input failed: {item}") from item
+            else:
+                rows.append(item)
+        return rows
+
+    def close(self) -> None:
+        self._closed.set()

@@ -1,0 +1,145 @@
+"""The cbrun output rows: one per (prompt, sample), a contract other tools rely on.
+
+Columns, in order:
+
+    id                    string   the row's id (id, else custom_id, else row number)
+    sample                int      0-based sample index (n > 1 gives several rows per id)
+    completion            string   generated text
+    completion_token_ids  [int]    generated token ids
+    logprobs              [float]  one per generated token (with --logprobs)
+    top_logprobs          [[{token_id, logprob}]]  K alternatives per token (with --top-logprobs K)
+    finish_reason         string   stop | length | error | cancelled
+    num_prompt_tokens     int
+    num_completion_tokens int
+    num_cached_tokens     int      prompt tokens served from the prefix cache
+    error                 string?  null, or "row N: field: reason"
+    prompt_token_ids      [int]    (with --prompt-token-ids)
+    ...                            input columns named by --keep-columns
+
+Error messages start with `row N: ` when the input row itself is bad and with
+`row N (engine): ` when the engine failed a valid row; `--resume` relies on
+that prefix to recognise rows already written (see `resume.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from cbrun.data.prompts import BadRow, RowSpec
+from cbrun.engine.request import GenerationOutput
+
+BASE_COLUMNS = ("id", "sample", "completion", "completion_token_ids", "logprobs", "top_logprobs",
+                "finish_reason", "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens",
+                "error", "prompt_token_ids")
+STOPPED_MARKER = "engine stopped"
+_BAD_ROW = re.compile(r"^row (\d+)(?: \(line \d+\))?: ")
+
+
+@dataclass(frozen=True)
+class RowKey:
+    """What resume needs to know about one output row.
+
+    samples: the (id, sample) pairs it completes; None with bad_row for a bad
+    input row (keyed by row number); all=True for formats that write every
+    sample of a request in one row (OpenAI batch output).
+    killed: written by a run that was stopped hard; the work must be redone.
+    """
+
+    id: str | None
+    samples: tuple[int, ...] = ()
+    bad_row: int | None = None
+    all: bool = False
+    failed: bool = False
+    killed: bool = False
+
+
+def engine_error(spec: RowSpec, out: GenerationOutput) -> str:
+    return f"{spec.where} (engine): {out.error or out.finish_reason}"
+
+
+def is_killed(finish_reason: str | None, error: str | None) -> bool:
+    """A result of a hard stop or a cancel: not an answer, redo it on resume."""
+    return finish_reason == "cancelled" or (finish_reason == "error" and STOPPED_MARKER in (error or ""))
+
+
+def bad_row_number(error: str | None) -> int | None:
+    """The row number of a bad-input error message, else None."""
+    match = _BAD_ROW.match(error or "")
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class CbrunFormat:
+    """Writes cbrun rows; the optional columns follow the command-line flags."""
+
+    logprobs: bool = False
+    top_logprobs: bool = False
+    prompt_token_ids: bool = False
+    keep_columns: tuple[str, ...] = ()
+    per_row = False  # one output row per sample, written as soon as it finishes
+
+    def columns(self) -> list[str]:
+        optional = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs,
+                    "prompt_token_ids": self.prompt_token_ids}
+        return [c for c in BASE_COLUMNS if optional.get(c, True)] + list(self.keep_columns)
+
+    def result_rows(self, spec: RowSpec, results: list[tuple[int, GenerationOutput]]) -> list[dict]:
+        return [self._result_row(spec, sample, out) for sample, out in results]
+
+    def _result_row(self, spec: RowSpec, sample: int, out: GenerationOutput) -> dict:
+        failed = out.finish_reason == "error"
+        row = {"id": spec.id, "sample": sample, "completion": out.text,
+               "completion_token_ids": list(out.token_ids)}
+        if self.logprobs:
+            row["logprobs"] = list(out.logprobs)
+        if self.top_logprobs:
+            row["top_logprobs"] = [[{"token_id": t, "logprob": lp} for t, lp in position]
+                                   for position in out.top_logprobs or []]
+        row.update(finish_reason=out.finish_reason, num_prompt_tokens=len(spec.token_ids or ()),
+                   num_completion_tokens=len(out.token_ids), num_cached_tokens=out.num_cached_tokens,
+                   error=engine_error(spec, out) if failed else None)
+        if self.prompt_token_ids:
+            row["prompt_token_ids"] = list(spec.token_ids or ())
+        row.update(spec.keep)
+        return row
+
+    def bad_row(self, bad: BadRow) -> dict:
+        row = {"id": bad.id, "sample": 0, "completion": "", "completion_token_ids": []}
+        if self.logprobs:
+            row["logprobs"] = []
+        if self.top_logprobs:
+            row["top_logprobs"] = []
+        row.update(finish_reason="error", num_prompt_tokens=0, num_completion_tokens=0,
+                   num_cached_tokens=0, error=bad.message)
+        if self.prompt_token_ids:
+            row["prompt_token_ids"] = None
+        row.update(bad.keep)
+        return row
+
+    def classify(self, row: dict) -> RowKey:
+        """Resume key of one cbrun row; raises ValueError if it is not a cbrun row."""
+        if not isinstance(row, dict) or "id" not in row or "sample" not in row or "finish_reason" not in row:
+            raise ValueError("not a cbrun output row (needs id, sample, finish_reason)")
+        reason, error = row["finish_reason"], row.get("error")
+        if is_killed(reason, error):
+            return RowKey(str(row["id"]), killed=True)
+        bad = bad_row_number(error)
+        if bad is not None:
+            return RowKey(str(row["id"]), bad_row=bad, failed=True)
+        return RowKey(str(row["id"]), samples=(int(row["sample"]),), failed=reason == "error")
+
+    def arrow_schema(self, keep_types: dict | None = None):
+        """The Parquet schema; keep columns take the types found in the data (string if unknown)."""
+        import pyarrow as pa
+
+        token_list = pa.list_(pa.int32())
+        types = {
+            "id": pa.string(), "sample": pa.int64(), "completion": pa.string(),
+            "completion_token_ids": token_list, "logprobs": pa.list_(pa.float32()),
+            "top_logprobs": pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())]))),
+            "finish_reason": pa.string(), "num_prompt_tokens": pa.int64(), "num_completion_tokens": pa.int64(),
+            "num_cached_tokens": pa.int64(), "error": pa.string(), "prompt_token_ids": token_list,
+        }
+        keep_types = keep_types or {}
+        return pa.schema([(c, types[c] if c in types else keep_types.get(c, pa.string())) for c in self.columns()])
