@@ -1,0 +1,1 @@
+"""The command line: `cbrun generate` and `cbrun bench` (thin: parse, wire, report)."""
