@@ -35,14 +35,14 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     num_heads, num_tokens, head_dim = query.shape[1:]
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
-    if batch.num_decode:
-        q = query[0, :, : batch.num_decode]  # [H, B, D]
+    if batch.num_rows:
+        q = query[0, :, : batch.num_rows]  # [H, R, D]
         if batch.decode_kernel is not None:
-            out[: batch.num_decode] = batch.decode_kernel(
+            out[: batch.num_rows] = batch.decode_kernel(
                 q.transpose(0, 1).contiguous(), k_pool, v_pool, layout.decode.tables, layout.decode.kv_len,
                 layout.decode.kv_lo, layout.decode.first_page, layout.decode.max_len, scale)
         else:
-            out[: batch.num_decode] = _decode(q, k_pool, v_pool, layout.decode, scale)
+            out[: batch.num_rows] = _decode(q, k_pool, v_pool, layout.decode, scale)
     for seq in layout.prefills:
         out[seq.start: seq.end] = _prefill(query, key, value, k_pool, v_pool, seq, scale)
     return out.unsqueeze(0), None

@@ -6,6 +6,11 @@ single-query sequences (decodes) first, then prefill chunks:
     input_ids   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      T = 9
     logits at   [  0  1  2 |          6  |     8 ]      last token of each finishing sequence
 
+Decodes, and short chunks over an already cached context (prefix hits,
+continued prefills), come first and are attended row by row (one query
+token per row, its own causal length); long or fresh chunks follow and go
+through SDPA per sequence.
+
 `PagedBatch` is the one typed object the attention function receives each
 step (through the model's **kwargs); everything it needs per layer is built
 here once per step, not per layer.
@@ -67,7 +72,8 @@ class PagedBatch:
     position_ids: torch.Tensor  # [1, T]
     logits_indices: torch.Tensor  # [N] flat index of each sampled sequence's last token
     sampled: list[Request]  # the N requests that get a token this step
-    num_decode: int  # leading single-query sequences
+    num_decode: int  # single-query sequences (decodes), for statistics
+    num_rows: int  # leading tokens attended row by row (decodes, short chunks over a cached context)
     groups: dict[str, GroupLayout]
     store: KVStore
     layer_groups: tuple[str, ...]  # attention type of each layer: "full" or "sliding"
@@ -76,6 +82,9 @@ class PagedBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
+
+
+ROW_CHUNK = 64  # chunks over a cached context up to this long are attended row by row
 
 
 class BatchBuilder:
@@ -94,6 +103,9 @@ class BatchBuilder:
         self.device = device
 
     def build(self, items: list[tuple[Request, int]]) -> PagedBatch:
+        row_items = [(r, n) for r, n in items if n == 1 or (r.num_computed_tokens > 0 and n <= ROW_CHUNK)]
+        rows = {id(r) for r, _ in row_items}
+        items = row_items + [(r, n) for r, n in items if id(r) not in rows]
         ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -105,15 +117,15 @@ class BatchBuilder:
             if start + count == request.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(request)
-        num_decode = sum(1 for _, count in items if count == 1)
-        groups = {name: self._layout(name, items, num_decode) for name in self.cache.allocators}
+        groups = {name: self._layout(name, items, len(row_items)) for name in self.cache.allocators}
         as_long = dict(dtype=torch.long, device=self.device)
         return PagedBatch(
             input_ids=torch.tensor([ids], **as_long),
             position_ids=torch.tensor([positions], **as_long),
             logits_indices=torch.tensor(logits_rows, **as_long),
             sampled=sampled,
-            num_decode=num_decode,
+            num_decode=sum(1 for _, count in items if count == 1),
+            num_rows=sum(count for _, count in row_items),
             groups=groups,
             store=self.store,
             layer_groups=self.layer_groups,
@@ -121,7 +133,7 @@ class BatchBuilder:
         )
 
     # -- per attention type -------------------------------------------------
-    def _layout(self, group: str, items: list[tuple[Request, int]], num_decode: int) -> GroupLayout:
+    def _layout(self, group: str, items: list[tuple[Request, int]], num_row_items: int) -> GroupLayout:
         page = self.page_size
         window = self.window if group == "sliding" else None
         slots: list[int] = []
@@ -133,27 +145,32 @@ class BatchBuilder:
             for pos in range(request.num_computed_tokens, request.num_computed_tokens + count):
                 slots.append(table[pos // page - first] * page + pos % page)
         layout = GroupLayout(write_slots=torch.tensor(slots, dtype=torch.long, device=self.device))
-        if num_decode:
-            layout.decode = self._decode_layout(items[:num_decode], tables[:num_decode], window)
-        offset = num_decode
-        for (request, count), (table, first) in zip(items[num_decode:], tables[num_decode:]):
+        if num_row_items:
+            layout.decode = self._decode_layout(items[:num_row_items], tables[:num_row_items], window)
+        offset = sum(count for _, count in items[:num_row_items])
+        for (request, count), (table, first) in zip(items[num_row_items:], tables[num_row_items:]):
             layout.prefills.append(self._prefill_seq(request, count, offset, table, first, window))
             offset += count
         return layout
 
     def _decode_layout(self, items, tables, window: int | None) -> DecodeLayout:
-        """Padded block tables and visible key ranges for all single-query sequences at once."""
+        """Padded block tables and visible key ranges for every row-wise query token."""
         page = self.page_size
         max_pages = max(len(table) for table, _ in tables)
-        padded = [table + [table[0]] * (max_pages - len(table)) for table, _ in tables]
-        lengths = [r.num_computed_tokens + 1 for r, _ in items]
+        padded, firsts, lengths = [], [], []
+        for (request, count), (table, first) in zip(items, tables):
+            row_table = table + [table[0]] * (max_pages - len(table))
+            for pos in range(request.num_computed_tokens, request.num_computed_tokens + count):
+                padded.append(row_table)
+                firsts.append(first)
+                lengths.append(pos + 1)  # causal: keys up to and including this token
         lows = [max(0, n - window) if window is not None else 0 for n in lengths]
         as_long = dict(dtype=torch.long, device=self.device)
         layout = DecodeLayout(
             tables=torch.tensor(padded, **as_long),
             kv_len=torch.tensor(lengths, **as_long),
             kv_lo=torch.tensor(lows, **as_long),
-            first_page=torch.tensor([f for _, f in tables], **as_long),
+            first_page=torch.tensor(firsts, **as_long),
             max_len=max(n - lo for n, lo in zip(lengths, lows)),
         )
         if self.torch_decode:
