@@ -196,14 +196,15 @@ def run_generate(opts: GenerateOptions) -> int:
             job = GenerateJob(engine, source, preparer, fmt, writer, openai=converter, resume=resume_state,
                               window=opts.window, progress=progress)
             dashboard = None if opts.quiet else _dashboard(engine, progress)
-            try:
-                with _interrupts(job, dashboard), dashboard or contextlib.nullcontext():
-                    job.run()
-            except InputError as exc:
-                raise CliError(f"{exc}; the rows written so far are kept (finish with --resume)",
-                               EXIT_ROWS_FAILED) from None
-            finally:
-                writer.close()
+            with _interrupts(job, dashboard):  # held until the output is closed: a late Ctrl-C loses nothing
+                try:
+                    with dashboard or contextlib.nullcontext():
+                        job.run()
+                except InputError as exc:
+                    raise CliError(f"{exc}; the rows written so far are kept (finish with --resume)",
+                                   EXIT_ROWS_FAILED) from None
+                finally:
+                    writer.close()
         finally:
             engine.destroy()
     return _report(progress, dashboard, target, opts)

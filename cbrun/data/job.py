@@ -102,6 +102,7 @@ class GenerateJob:
         if resume is not None:
             self.progress.rows_failed = resume.failed_rows
         self._requests: dict[str, _Request] = {}
+        self._keep_prompt_ids = getattr(fmt, "prompt_token_ids", False)  # the output needs them
         self._stop_level = 0  # 1: stop reading input, 2: stop at once
 
     def stop(self, hard: bool = False) -> None:
@@ -181,7 +182,10 @@ class GenerateJob:
         self.progress.rows_in_flight += 1
         request_id = str(spec.index)
         self._requests[request_id] = _Request(row, n)
-        self.engine.add_request(spec.token_ids, spec.sampling, request_id=request_id)
+        token_ids = spec.token_ids
+        if not self._keep_prompt_ids:
+            spec.token_ids = None  # the engine holds its own copy; in-flight rows stay small
+        self.engine.add_request(token_ids, spec.sampling, request_id=request_id)
 
     def _write_bad(self, bad: BadRow) -> None:
         if self.resume is not None and self.resume.has_bad_row(bad.index):
@@ -235,7 +239,7 @@ class GenerateJob:
         self.progress.samples_written += len(rows)
 
     def _count_tokens(self, spec: RowSpec, out: GenerationOutput) -> None:
-        self.progress.prompt_tokens += len(spec.token_ids or ())
+        self.progress.prompt_tokens += spec.num_prompt_tokens
         self.progress.completion_tokens += len(out.token_ids)
         self.progress.cached_tokens += out.num_cached_tokens
 

@@ -105,7 +105,7 @@ class OpenAIFormat:
         meta = spec.meta or {}
         chat = meta.get("endpoint", "chat") == "chat"
         completion_tokens = sum(len(out.token_ids) for _, out in results)
-        prompt_tokens = len(spec.token_ids or ())
+        prompt_tokens = spec.num_prompt_tokens
         body = {
             "id": ("chatcmpl-" if chat else "cmpl-") + _short_hash(spec.id),
             "object": "chat.completion" if chat else "text_completion",

@@ -41,7 +41,8 @@ class RowSpec:
     """A parsed row whose prompt is not tokenized yet.
 
     kind: "text", "chat" or "ids"; value: the string, the messages or the ids
-    (dropped once `token_ids` is set, to keep in-flight rows small).
+    (dropped once `token_ids` is set, to keep in-flight rows small; the job
+    drops `token_ids` too once submitted, keeping `num_prompt_tokens`).
     meta: format-specific extras (the OpenAI endpoint and logprob options).
     """
 
@@ -55,6 +56,7 @@ class RowSpec:
     keep: dict = field(default_factory=dict)
     meta: dict | None = None
     token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 class RowPreparer:
@@ -180,6 +182,7 @@ class RowPreparer:
 
     def _check(self, spec: RowSpec) -> RowSpec | BadRow:
         ids = spec.token_ids or []
+        spec.num_prompt_tokens = len(ids)
         if not ids:
             return _bad_from(spec, f"{spec.field}: empty prompt (no tokens)")
         max_tokens = spec.sampling.max_tokens

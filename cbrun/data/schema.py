@@ -96,7 +96,7 @@ class CbrunFormat:
         if self.top_logprobs:
             row["top_logprobs"] = [[{"token_id": t, "logprob": lp} for t, lp in position]
                                    for position in out.top_logprobs or []]
-        row.update(finish_reason=out.finish_reason, num_prompt_tokens=len(spec.token_ids or ()),
+        row.update(finish_reason=out.finish_reason, num_prompt_tokens=spec.num_prompt_tokens,
                    num_completion_tokens=len(out.token_ids), num_cached_tokens=out.num_cached_tokens,
                    error=engine_error(spec, out) if failed else None)
         if self.prompt_token_ids:
