@@ -146,9 +146,10 @@ FAKE_VLLM = textwrap.dedent('''
             self.metrics = _Metrics()
 
     class LLM:
-        def __init__(self, model, tokenizer, dtype, seed, max_model_len, disable_log_stats):
+        def __init__(self, model, tokenizer, dtype, seed, max_model_len, disable_log_stats, kv_cache_memory_bytes):
             import os
             assert os.path.isfile(os.path.join(model, "config.json"))
+            assert 512 << 20 <= kv_cache_memory_bytes <= 4 << 30
             self.max_model_len = max_model_len
 
         def generate(self, prompts, params, use_tqdm=False):
@@ -189,6 +190,28 @@ def test_mismatched_output_counts_are_reported(tiny_llama_dir, tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     assert "OUTPUT TOKEN COUNT MISMATCH: vllm:" in result.stdout
     assert "MISMATCH" in _row_cells(result.stdout, "vllm")[-1]
+
+
+def test_crashing_vllm_is_reported_failed_with_its_root_cause(tiny_llama_dir, tmp_path, monkeypatch, no_gemm_probe):
+    fake = tmp_path / "fake" / "vllm"
+    (fake / "inputs").mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "__version__ = '0'\nSamplingParams = None\n"
+        "class LLM:\n    def __init__(self, **kwargs):\n"
+        "        import sys\n        print('INFO starting', file=sys.stderr)\n"
+        "        raise ValueError('Available memory on node 0 is too small')\n")
+    (fake / "inputs" / "__init__.py").write_text("TokensPrompt = dict\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
+    out_json = tmp_path / "bench.json"
+    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm", "--vllm-python", sys.executable,
+                      "--output-json", str(out_json), *SMALL])
+    assert result.exit_code == 1
+    entries = {e["engine"]: e for e in json.loads(out_json.read_text())["results"]}
+    assert entries["hf-static"]["status"] == "ok"
+    assert entries["vllm"]["status"] == "failed"
+    assert "ValueError: Available memory on node 0 is too small" in entries["vllm"]["reason"]
+    assert (tmp_path / "cache" / "vllm-last-failure.log").is_file()
 
 
 def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp_path, no_gemm_probe):

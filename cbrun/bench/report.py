@@ -48,6 +48,7 @@ def machine_info(device: str) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "device": device,
+        "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -158,6 +159,10 @@ def report_lines(report: dict) -> list[str]:
     if stats:
         parts = [f"{label} {_stat(stats.get(key), key)}" for key, label in CBRUN_STATS_LABELS.items()]
         lines.append("cbrun engine: " + ", ".join(parts))
+    machine = report.get("machine") or {}
+    if machine.get("load_average_1m") and machine.get("cpu_cores") and machine["load_average_1m"] > machine["cpu_cores"]:
+        lines.append(f"Warning: load average {machine['load_average_1m']} on {machine['cpu_cores']} cores at the end "
+                     "of the run: other processes shared the CPU, figures are low and noisy")
     ceiling = report.get("compute_ceiling")
     if ceiling:
         rates = ", ".join(f"{dtype} {fmt(r['best'], 1)}" for dtype, r in ceiling["gemm_gflops"].items())

@@ -34,6 +34,9 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
     )
     prompts, output_lens, copies = _expand_greedy_samples(workload)
     ctx.progress.message("[transformers] setting up the continuous batching manager")
+    if not ctx.transformers_cb_config and not str(ctx.device).startswith("cuda"):
+        ctx.progress.message("[transformers] default ContinuousBatchingConfig on CPU: it sizes its cache from most of "
+                             "the RAM and zero-fills it (slow, memory-hungry); --transformers-cb-config bounds it")
     setup_start = time.perf_counter()
     with ctx.model.continuous_batching_context_manager(
         generation_config=_generation_config(ctx, workload, copies),

@@ -26,6 +26,8 @@ from cbrun.bench.result import PeerResult, PeerUnavailable
 from cbrun.bench.workload import Workload
 
 LOG_TAIL_LINES = 30
+MIN_KV_BYTES = 512 << 20
+MAX_KV_BYTES = 4 << 30
 
 
 def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
@@ -39,8 +41,11 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
         "max_model_len": max(workload.max_total_len, warmup.max_total_len),
         "warmup": _pass_spec(warmup),
         "timed": _pass_spec(workload),
+        "llm_kwargs": {},
     }
     env = vllm_environment(ctx.device)
+    if "VLLM_CPU_KVCACHE_SPACE" not in env:  # vLLM would reserve 92% of the memory node and refuse to start
+        job["llm_kwargs"]["kv_cache_memory_bytes"] = kv_cache_bytes(ctx.model, ctx.dtype, workload)
     where = "in-process" if python is None else python
     ctx.progress.message(f"[vllm] starting vLLM ({where}; start-up takes minutes), threads bind {env.get('VLLM_CPU_OMP_THREADS_BIND', '-')}")
     figures = _run_in_process(job, env) if python is None else _run_child(python, job, env, ctx)
@@ -83,6 +88,17 @@ def _pass_spec(workload: Workload) -> dict:
         "temperature": workload.temperature,
         "seed": workload.seed,
     }
+
+
+def kv_cache_bytes(model, dtype, workload: Workload) -> int:
+    """KV memory for every request of the workload at once (the most vLLM could use), within [512 MiB, 4 GiB]."""
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = getattr(dtype, "itemsize", 4)
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * itemsize
+    tokens = sum(len(p) + workload.n * o for p, o in zip(workload.prompts, workload.output_lens))
+    return int(min(MAX_KV_BYTES, max(MIN_KV_BYTES, 1.1 * tokens * per_token)))
 
 
 def vllm_environment(device: str) -> dict:
@@ -142,9 +158,27 @@ def _run_child(python: str, job: dict, env: dict, ctx: PeerContext) -> dict:
             if line.startswith("[vllm] "):
                 ctx.progress.message(line.rstrip())
         code = proc.wait()
-        tail = "\n".join(log[-LOG_TAIL_LINES:])
         if code == vllm_child.EXIT_IMPORT_ERROR:
             raise PeerUnavailable(f"{python} cannot import vllm: {log[-1] if log else 'no output'}")
         if code != 0 or not result_path.is_file():
-            raise RuntimeError(f"vLLM child exited with code {code}; last output:\n{tail}")
+            raise RuntimeError(f"vLLM child exited with code {code}: {_root_cause(log)}\n"
+                               f"full log: {_keep_log(log)}")
         return json.loads(result_path.read_text())
+
+
+def _root_cause(log: list[str]) -> str:
+    """The first line that names an error (vLLM's last lines only say "see root cause above")."""
+    for line in log:
+        text = line.split("] ", 1)[-1].strip()
+        if text.split(":", 1)[0].endswith(("Error", "Exception")) and "see root cause" not in text.lower():
+            return text
+    return "\n".join(log[-LOG_TAIL_LINES:])
+
+
+def _keep_log(log: list[str]) -> Path:
+    from cbrun.models import cache_dir
+
+    path = cache_dir() / "vllm-last-failure.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(log) + "\n")
+    return path
