@@ -1,8 +1,8 @@
 """`cbrun bench` end to end on a tiny random model (issue 5, "Must show" 1-3).
 
-The command is mounted on a Typer app of its own here, so these tests do not
-depend on how cbrun/cli/app.py registers it. Configurations are tiny: a few
-prompts, short lengths, small caches for both continuous-batching engines.
+Runs the real `cbrun` entry point (`cbrun.cli.app.main`). Configurations are
+tiny: a few prompts, short lengths, small caches for both continuous-batching
+engines.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import re
 import sys
 import textwrap
 
+from dataclasses import dataclass
+
 import pytest
-import typer
-from typer.testing import CliRunner
 
 from cbrun.bench import runner as bench_runner
 from cbrun.bench.report import TABLE_COLUMNS, fmt
-from cbrun.cli.bench import bench
+from cbrun.cli.app import main
 
 SMALL = ["--num-prompts", "6", "--input-len", "12", "--output-len", "6", "--random-range-ratio", "0.5",
          "--num-blocks", "64", "--page-size", "16", "--quiet"]
@@ -27,19 +27,28 @@ FIXED_CEILING = {"gflop_per_token": 0.001, "gemm_rows": 256, "reference_dtype": 
                  "gemm_gflops": {"bfloat16": {"best": 100.0}, "float32": {"best": 50.0}}}
 
 
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.command("bench")(bench)
+@dataclass
+class Run:
+    exit_code: int
+    stdout: str
+    stderr: str
 
-    @app.command("version")  # a second command keeps "bench" a subcommand, as in cbrun's app
-    def version() -> None:
-        pass
-
-    return app
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
 
 
-def _invoke(args: list[str]):
-    return CliRunner().invoke(_app(), ["bench", *args], catch_exceptions=False)
+@pytest.fixture
+def invoke(capsys):
+    """Run `cbrun bench ARGS` in-process; returns its exit code, stdout and stderr."""
+
+    def run(args: list[str]) -> Run:
+        capsys.readouterr()
+        code = main(["bench", *args])
+        captured = capsys.readouterr()
+        return Run(code, captured.out, captured.err)
+
+    return run
 
 
 @pytest.fixture
@@ -53,9 +62,9 @@ def _row_cells(stdout: str, engine: str) -> list[str]:
     return [c.strip() for c in row.strip("│").split("│")][1:]
 
 
-def test_three_engines_give_rows_with_equal_output_counts_and_json_matching_the_table(tiny_llama_dir, tmp_path):
+def test_three_engines_give_rows_with_equal_output_counts_and_json_matching_the_table(tiny_llama_dir, tmp_path, invoke):
     out_json = tmp_path / "bench.json"
-    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun,transformers,hf-static",
+    result = invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun,transformers,hf-static",
                       "--static-batch-size", "4", "--output-json", str(out_json), *SMALL, *TRANSFORMERS_SMALL])
     assert result.exit_code == 0, result.output
     report = json.loads(out_json.read_text())
@@ -84,12 +93,12 @@ def test_three_engines_give_rows_with_equal_output_counts_and_json_matching_the_
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
-def test_prefix_workload_hits_the_prefix_cache_unless_disabled(tiny_llama_dir, tmp_path, no_gemm_probe, prefix_cache):
+def test_prefix_workload_hits_the_prefix_cache_unless_disabled(tiny_llama_dir, tmp_path, invoke, no_gemm_probe, prefix_cache):
     out_json = tmp_path / "bench.json"
     args = ["--model", str(tiny_llama_dir), "--engine", "cbrun", "--prefix-len", "64", "--num-prompts", "8",
             "--input-len", "8", "--output-len", "4", "--num-blocks", "128", "--page-size", "16",
             "--output-json", str(out_json), "--quiet"]
-    result = _invoke(args + ([] if prefix_cache else ["--no-prefix-cache"]))
+    result = invoke(args + ([] if prefix_cache else ["--no-prefix-cache"]))
     assert result.exit_code == 0, result.output
     rate = json.loads(out_json.read_text())["cbrun_stats"]["prefix_hit_rate"]
     if prefix_cache:
@@ -99,9 +108,9 @@ def test_prefix_workload_hits_the_prefix_cache_unless_disabled(tiny_llama_dir, t
     assert re.search(r"prefix hit rate \d+\.\d%", result.stdout)
 
 
-def test_unavailable_peer_is_reported_and_the_others_still_run(tiny_llama_dir, tmp_path, no_gemm_probe):
+def test_unavailable_peer_is_reported_and_the_others_still_run(tiny_llama_dir, tmp_path, invoke, no_gemm_probe):
     out_json = tmp_path / "bench.json"
-    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm",
+    result = invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm",
                       "--vllm-python", str(tmp_path / "no-such-python"), "--output-json", str(out_json), *SMALL])
     assert result.exit_code == 0, result.output
     entries = {e["engine"]: e for e in json.loads(out_json.read_text())["results"]}
@@ -112,11 +121,11 @@ def test_unavailable_peer_is_reported_and_the_others_still_run(tiny_llama_dir, t
     assert "(vllm)" not in result.stdout  # no throughput line is made up for it
 
 
-def test_vllm_interpreter_without_vllm_is_unavailable(tiny_llama_dir, tmp_path, monkeypatch, no_gemm_probe):
+def test_vllm_interpreter_without_vllm_is_unavailable(tiny_llama_dir, tmp_path, invoke, monkeypatch, no_gemm_probe):
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "empty"))  # no vllm reachable from this interpreter
     out_json = tmp_path / "bench.json"
-    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "vllm", "--vllm-python", sys.executable,
+    result = invoke(["--model", str(tiny_llama_dir), "--engine", "vllm", "--vllm-python", sys.executable,
                       "--output-json", str(out_json), *SMALL])
     assert result.exit_code == 0, result.output
     entry = json.loads(out_json.read_text())["results"][0]
@@ -157,7 +166,7 @@ FAKE_VLLM = textwrap.dedent('''
 ''')
 
 
-def test_vllm_peer_protocol_with_a_stand_in_vllm(tiny_llama_dir, tmp_path, monkeypatch, no_gemm_probe):
+def test_vllm_peer_protocol_with_a_stand_in_vllm(tiny_llama_dir, tmp_path, invoke, monkeypatch, no_gemm_probe):
     fake = tmp_path / "fake" / "vllm"
     (fake / "inputs").mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_VLLM)
@@ -166,7 +175,7 @@ def test_vllm_peer_protocol_with_a_stand_in_vllm(tiny_llama_dir, tmp_path, monke
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
     out_json = tmp_path / "bench.json"
-    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm", "--vllm-python", sys.executable,
+    result = invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm", "--vllm-python", sys.executable,
                       "--output-json", str(out_json), *SMALL])
     assert result.exit_code == 0, result.output
     report = json.loads(out_json.read_text())
@@ -179,20 +188,20 @@ def test_vllm_peer_protocol_with_a_stand_in_vllm(tiny_llama_dir, tmp_path, monke
     assert vllm["details"]["model_dir"] == str(tiny_llama_dir)  # a local HF dir is passed as is
 
 
-def test_mismatched_output_counts_are_reported(tiny_llama_dir, tmp_path, monkeypatch, no_gemm_probe):
+def test_mismatched_output_counts_are_reported(tiny_llama_dir, tmp_path, invoke, monkeypatch, no_gemm_probe):
     fake = tmp_path / "fake" / "vllm"
     (fake / "inputs").mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_VLLM.replace("if params.ignore_eos else", "if False else"))
     (fake / "inputs" / "__init__.py").write_text("def TokensPrompt(prompt_token_ids):\n"
                                                  "    return {'prompt_token_ids': prompt_token_ids}\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
-    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "vllm", "--vllm-python", sys.executable, *SMALL])
+    result = invoke(["--model", str(tiny_llama_dir), "--engine", "vllm", "--vllm-python", sys.executable, *SMALL])
     assert result.exit_code == 0, result.output
     assert "OUTPUT TOKEN COUNT MISMATCH: vllm:" in result.stdout
     assert "MISMATCH" in _row_cells(result.stdout, "vllm")[-1]
 
 
-def test_crashing_vllm_is_reported_failed_with_its_root_cause(tiny_llama_dir, tmp_path, monkeypatch, no_gemm_probe):
+def test_crashing_vllm_is_reported_failed_with_its_root_cause(tiny_llama_dir, tmp_path, invoke, monkeypatch, no_gemm_probe):
     fake = tmp_path / "fake" / "vllm"
     (fake / "inputs").mkdir(parents=True)
     (fake / "__init__.py").write_text(
@@ -204,7 +213,7 @@ def test_crashing_vllm_is_reported_failed_with_its_root_cause(tiny_llama_dir, tm
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
     out_json = tmp_path / "bench.json"
-    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm", "--vllm-python", sys.executable,
+    result = invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm", "--vllm-python", sys.executable,
                       "--output-json", str(out_json), *SMALL])
     assert result.exit_code == 1
     entries = {e["engine"]: e for e in json.loads(out_json.read_text())["results"]}
@@ -214,12 +223,12 @@ def test_crashing_vllm_is_reported_failed_with_its_root_cause(tiny_llama_dir, tm
     assert (tmp_path / "cache" / "vllm-last-failure.log").is_file()
 
 
-def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp_path, no_gemm_probe):
+def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp_path, invoke, no_gemm_probe):
     data = tmp_path / "chats.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3)] + [{"prompt": "hello"}]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out_json = tmp_path / "bench.json"
-    result = _invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun,hf-static", "--dataset-path", str(data),
+    result = invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun,hf-static", "--dataset-path", str(data),
                       "--output-len", "5", "--temperature", "0", "--num-blocks", "64", "--page-size", "16",
                       "--output-json", str(out_json), "--quiet"])
     assert result.exit_code == 0, result.output
@@ -228,7 +237,16 @@ def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp
     assert all(e["status"] == "ok" and 0 < e["num_output_tokens"] <= 20 for e in report["results"])
 
 
-def test_unknown_engine_is_a_usage_error(tiny_llama_dir):
-    result = CliRunner().invoke(_app(), ["bench", "--model", str(tiny_llama_dir), "--engine", "cbrun,nope"])
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "cbrun,nope"], "unknown engine nope"),
+    (["--transformers-cb-config", "{bad"], "not valid JSON"),
+    (["--transformers-cb-config", '{"no_such_knob": 1}'], "no_such_knob"),
+    (["--input-len", "4000", "--output-len", "4000"], "more than the model's context of 2048"),
+    (["--random-range-ratio", "1.5"], "--random-range-ratio"),
+])
+def test_usage_errors_are_one_line_with_exit_code_2(tiny_llama_dir, invoke, args, message):
+    result = invoke(["--model", str(tiny_llama_dir), *args])
     assert result.exit_code == 2
-    assert "nope" in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("cbrun: error:")]
+    assert len(errors) == 1 and message in errors[0]
+    assert "Traceback" not in result.stderr and result.stdout == ""

