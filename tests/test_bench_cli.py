@@ -223,17 +223,22 @@ def test_crashing_vllm_is_reported_failed_with_its_root_cause(tiny_llama_dir, tm
     assert (tmp_path / "cache" / "vllm-last-failure.log").is_file()
 
 
-def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp_path, invoke, no_gemm_probe):
+def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp_path, invoke, no_gemm_probe,
+                                                            monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # keep this process's threads for other tests
     data = tmp_path / "chats.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3)] + [{"prompt": "hello"}]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out_json = tmp_path / "bench.json"
     result = invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun,hf-static", "--dataset-path", str(data),
                       "--output-len", "5", "--temperature", "0", "--num-blocks", "64", "--page-size", "16",
-                      "--output-json", str(out_json), "--quiet"])
+                      "--threads", "1", "--output-json", str(out_json), "--quiet"])
     assert result.exit_code == 0, result.output
     report = json.loads(out_json.read_text())
     assert report["config"]["num_prompts"] == 4 and report["config"]["ignore_eos"] is False
+    assert report["config"]["threads"] == 1
     assert all(e["status"] == "ok" and 0 < e["num_output_tokens"] <= 20 for e in report["results"])
 
 

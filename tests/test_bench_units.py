@@ -133,3 +133,16 @@ def test_report_table_lines_and_json_show_the_same_figures():
                 f"tokens/s, {fmt(entry['output_tokens_per_s'])} output tokens/s ({entry['engine']})") in text
     assert "prefix hit rate 50.0%" in text and "soft resets 1" in text
     assert report["cbrun_stats"]["prefix_hit_rate"] == 0.5
+
+
+def test_vllm_computes_on_the_requested_cores_unless_the_user_bound_them(monkeypatch):
+    from cbrun.bench.peers.vllm_peer import vllm_environment
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert vllm_environment("cpu")["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    assert vllm_environment("cpu", threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_environment("cuda")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    assert vllm_environment("cpu", threads=2)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert vllm_environment("cpu")["HF_HUB_OFFLINE"] == "1"

@@ -80,6 +80,9 @@ def bench(
         help="CPU swap pool (GiB) for preempted requests; 0 recomputes them.", rich_help_panel=ENGINE_PANEL)] = None,
     max_memory_percent: Annotated[Optional[float], typer.Option(
         help="Share of free memory for the KV cache (0.5 or 50).", rich_help_panel=ENGINE_PANEL)] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        help="CPU threads for every engine (torch.set_num_threads; vLLM binds cores 0..N-1). Default: torch's.",
+        show_default=False, rich_help_panel=MODEL_PANEL)] = None,
     output_json: Annotated[Optional[Path], typer.Option(help="Also write the report as JSON here.",
                                                         show_default=False, rich_help_panel=OUTPUT_PANEL)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.",
@@ -96,6 +99,8 @@ def bench(
     if not engines or unknown:
         raise CliError(f"--engine: unknown engine {', '.join(unknown) or repr(engine)} "
                        f"(choose from {', '.join(PEER_NAMES)})")
+    if threads is not None and threads < 1:
+        raise CliError(f"--threads must be at least 1, got {threads}")
     if static_batch_size < 1:
         raise CliError(f"--static-batch-size must be at least 1, got {static_batch_size}")
     if output_json is not None and not output_json.parent.is_dir():
@@ -105,6 +110,10 @@ def bench(
         page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_requests_per_batch, scheduler=scheduler, safety_margin=safety_margin,
         no_prefix_cache=no_prefix_cache, cpu_offload_gb=cpu_offload_gb, max_memory_percent=max_memory_percent)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     progress = Progress(quiet=quiet)
     progress.message(f"[bench] loading {model}")
     model_obj, tokenizer = _load_model(model, dtype.value, device.value)
@@ -122,12 +131,12 @@ def bench(
         "seed": seed, "ignore_eos": workload.ignore_eos, "temperature": temperature,
         "num_input_tokens": workload.num_input_tokens, "max_output_tokens": workload.max_output_tokens,
         "dataset_rows_skipped": len(skipped), "warmup_prompts": warmup.num_prompts,
-        "static_batch_size": static_batch_size, "vllm_python": vllm_python,
+        "threads": threads, "static_batch_size": static_batch_size, "vllm_python": vllm_python,
         "transformers_cb_config": cb_overrides or "defaults", "engine_config": _asdict(engine_config),
     }
     ctx = PeerContext(
         model=model_obj, tokenizer=tokenizer, model_spec=model, dtype=model_obj.dtype, device=str(model_obj.device),
-        engine_config=engine_config, static_batch_size=static_batch_size, vllm_python=vllm_python,
+        engine_config=engine_config, threads=threads, static_batch_size=static_batch_size, vllm_python=vllm_python,
         transformers_cb_config=cb_overrides, progress=progress, dashboard=None if quiet else _dashboard(),
     )
     report = run_bench(engines, ctx, workload, warmup, config)

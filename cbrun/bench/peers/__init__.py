@@ -47,6 +47,7 @@ class PeerContext:
     dtype: Any  # torch.dtype
     device: str
     engine_config: Any = None  # cbrun EngineConfig
+    threads: int | None = None  # CPU threads the user asked for (None: library defaults)
     static_batch_size: int = 32
     vllm_python: str | None = None
     transformers_cb_config: dict = field(default_factory=dict)

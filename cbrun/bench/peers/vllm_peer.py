@@ -43,7 +43,7 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
         "timed": _pass_spec(workload),
         "llm_kwargs": {},
     }
-    env = vllm_environment(ctx.device)
+    env = vllm_environment(ctx.device, ctx.threads)
     if "VLLM_CPU_KVCACHE_SPACE" not in env:  # vLLM would reserve 92% of the memory node and refuse to start
         job["llm_kwargs"]["kv_cache_memory_bytes"] = kv_cache_bytes(ctx.model, ctx.dtype, workload)
     where = "in-process" if python is None else python
@@ -101,13 +101,15 @@ def kv_cache_bytes(model, dtype, workload: Workload) -> int:
     return int(min(MAX_KV_BYTES, max(MIN_KV_BYTES, 1.1 * tokens * per_token)))
 
 
-def vllm_environment(device: str) -> dict:
-    """The child's environment: offline, and on CPU computing on every core unless the user chose a binding."""
+def vllm_environment(device: str, threads: int | None = None) -> dict:
+    """The child's environment: offline, and on CPU computing on `threads` cores (default all) unless the
+    user chose a binding (vLLM's CPU build uses one core by default)."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     if not str(device).startswith("cuda"):
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        cores = threads or os.cpu_count() or 1
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}" if cores > 1 else "0")
     return env
 
 
