@@ -44,27 +44,33 @@ class Sampled:
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> Sampled:
-    """Choose one token per row of `logits` ([N, V]) for the matching request."""
+    """Choose one token per row of `logits` ([N, V]) for the matching request.
+
+    Full-vocabulary passes are kept few: greedy rows need an argmax and a
+    logsumexp; sampled rows add one exp and one cumsum (plus a sort only
+    when a request uses top-p).
+    """
     logits = logits.float()  # [N, V]
     params = [r.sampling for r in requests]
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
-    scaled = logits / temps[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
+    if any(p.temperature not in (0, 1) for p in params):
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
+        logits = logits / temps[:, None]
+    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, 1]
     chosen = torch.argmax(logits, dim=-1)  # [N] greedy choice
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows)
-        picked = _sample_rows(logprobs[rows], [requests[i] for i in random_rows])
-        chosen[rows] = picked
-    token_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]  # [N]
-    top = _top_alternatives(logprobs, params)
+        row_logprobs = logits[rows] - normalizer[rows]  # [n, V]
+        chosen[rows] = _sample_rows(row_logprobs, [requests[i] for i in random_rows])
+    token_logprobs = (logits.gather(1, chosen[:, None]) - normalizer)[:, 0]  # [N]
+    top = _top_alternatives(logits, normalizer, params)
     return Sampled(chosen.tolist(), token_logprobs.tolist(), top)
 
 
 def _sample_rows(logprobs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Filter ([n, V] log-probs) by top-k, top-p, min-p, then invert the CDF."""
-    filtered = logprobs.clone()
     params = [r.sampling for r in requests]
+    filtered = logprobs
     if any(p.top_k > 0 for p in params):
         filtered = _apply_top_k(filtered, [p.top_k for p in params])
     if any(p.top_p < 1.0 for p in params):
@@ -73,7 +79,7 @@ def _sample_rows(logprobs: torch.Tensor, requests: list[Request]) -> torch.Tenso
         threshold = torch.tensor([p.min_p for p in params]).log()  # [n]
         best = filtered.max(dim=-1, keepdim=True).values
         filtered = filtered.masked_fill(filtered < best + threshold[:, None], float("-inf"))
-    probs = torch.softmax(filtered, dim=-1)
+    probs = filtered.exp_() if filtered is not logprobs else filtered.exp()  # unnormalized when filtered
     cdf = torch.cumsum(probs, dim=-1)  # [n, V]
     draws = torch.tensor(
         [uniform_for(r.seed, r.sample_index, r.num_tokens) for r in requests], dtype=cdf.dtype
@@ -109,11 +115,11 @@ def _apply_top_p(logprobs: torch.Tensor, ps: list[float]) -> torch.Tensor:
     return logprobs.masked_fill(drop, float("-inf"))
 
 
-def _top_alternatives(logprobs: torch.Tensor, params) -> list[list[tuple[int, float]]] | None:
+def _top_alternatives(logits: torch.Tensor, normalizer: torch.Tensor, params) -> list[list[tuple[int, float]]] | None:
     wanted = [p.top_logprobs for p in params]
     if not any(wanted):
         return None
-    k_max = min(max(wanted), logprobs.shape[-1])
-    values, indices = torch.topk(logprobs, k_max, dim=-1)
-    values, indices = values.tolist(), indices.tolist()
+    k_max = min(max(wanted), logits.shape[-1])
+    values, indices = torch.topk(logits, k_max, dim=-1)
+    values, indices = (values - normalizer).tolist(), indices.tolist()
     return [list(zip(indices[i][:k], values[i][:k])) for i, k in enumerate(wanted)]
