@@ -203,8 +203,11 @@ def run_generate(opts: GenerateOptions) -> int:
                 except InputError as exc:
                     raise CliError(f"{exc}; the rows written so far are kept (finish with --resume)",
                                    EXIT_ROWS_FAILED) from None
+                except BrokenPipeError:  # `cbrun generate ... - | head`: the reader has enough
+                    raise CliError("stopped: the reader of stdout closed the pipe", EXIT_ROWS_FAILED) from None
                 finally:
-                    writer.close()
+                    with contextlib.suppress(BrokenPipeError):
+                        writer.close()
         finally:
             engine.destroy()
     return _report(progress, dashboard, target, opts)
@@ -406,7 +409,7 @@ def _claim_stdout(claim: bool):
     try:
         yield data
     finally:
-        if not data.closed:
+        with contextlib.suppress(BrokenPipeError):
             data.close()
         sys.stdout.flush()
         os.dup2(saved, fd)
