@@ -226,13 +226,16 @@ def test_n_samples_with_a_seed_are_distinct_and_reproducible_across_batch_budget
     (["IN", "OUT.jsonl", "--keep-columns", "completion"], "--keep-columns: completion would overwrite"),
     (["IN", "OUT.jsonl", "--top-p", "3"], "invalid sampling option: top_p must be in (0, 1]"),
     (["IN", "OUT.jsonl", "--page-size", "1"], "invalid engine option: page_size must be at least 4"),
+    (["IN", "WRONG", "--resume"], "cannot resume"),
     (["IN", "OUT.jsonl", "-m", "/no/such/model"], "/no/such/model"),
 ])
 def test_usage_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, message):
     write_jsonl(tmp_path / "in.jsonl", PROMPTS)
     (tmp_path / "existing.jsonl").write_text("")
+    (tmp_path / "wrong.jsonl").write_text('{"custom_id": "a", "response": {"status_code": 200}}\n')
     names = {"IN": str(tmp_path / "in.jsonl"), "OUT.jsonl": str(tmp_path / "out.jsonl"),
-             "OUT.csv": str(tmp_path / "out.csv"), "EXISTING": str(tmp_path / "existing.jsonl")}
+             "OUT.csv": str(tmp_path / "out.csv"), "EXISTING": str(tmp_path / "existing.jsonl"),
+             "WRONG": str(tmp_path / "wrong.jsonl")}
     args = [names.get(a, a) for a in args]
     if "-m" not in args:
         args += ["-m", "/no/such/model"]  # never loaded: every error here comes first

@@ -180,13 +180,13 @@ def run_generate(opts: GenerateOptions) -> int:
     openai_input = _is_openai_input(source)
     fmt_name = _choose_format(opts.format, openai_input, target)
     target.check_existing(opts.resume, opts.overwrite)
+    resume_state = _resume_state(target, fmt_name) if opts.resume else None
 
     with _claim_stdout(target.kind == "stdout") as data_stream:
         model, tokenizer = _load_model(opts)
         if opts.chat and not getattr(tokenizer, "chat_template", None):
             raise CliError(f"--chat: the tokenizer of {opts.model!r} has no chat template")
         fmt, converter = _formats(fmt_name, openai_input, tokenizer, opts, keep)
-        resume_state = _resume_state(target, fmt) if opts.resume else None
         engine = _start_engine(model, tokenizer, engine_config)
         try:
             preparer = RowPreparer(tokenizer, sampling, max_context=engine.max_context, vocab_size=engine.vocab_size,
@@ -335,11 +335,15 @@ def _formats(name: str, openai_input: bool, tokenizer, opts: GenerateOptions, ke
     return fmt, converter
 
 
-def _resume_state(target: OutputTarget, fmt):
+def _resume_state(target: OutputTarget, fmt_name: str):
+    """What OUTPUT already holds (read, and repaired after a kill, before the model loads)."""
+    from cbrun.data.openai_batch import OpenAIFormat
     from cbrun.data.resume import ResumeError, load_resume_state
+    from cbrun.data.schema import CbrunFormat
 
+    classify = OpenAIFormat.classify if fmt_name == "openai" else CbrunFormat.classify
     try:
-        return load_resume_state(target.path, target.kind, fmt.classify)
+        return load_resume_state(target.path, target.kind, classify)
     except ResumeError as exc:
         raise CliError(str(exc)) from None
 

@@ -141,21 +141,22 @@ class GenerateJob:
     # --- input side -----------------------------------------------------------
 
     def _submit(self, raws: list[RawRow]) -> None:
-        to_tokenize: list[tuple[RowSpec, list[int]]] = []
+        specs: list[RowSpec] = []
+        missing: dict[int, list[int]] = {}  # row index -> samples to generate
         for raw in raws:
             spec = self._parse(raw)
             if isinstance(spec, BadRow):
                 self._write_bad(spec)
                 continue
-            samples = self.resume.missing_samples(spec.id, spec.sampling.n) if self.resume else \
-                list(range(spec.sampling.n))
+            n = spec.sampling.n
+            samples = self.resume.missing_samples(spec.id, n) if self.resume else list(range(n))
             if not samples:
                 self._count_skipped()
                 continue
-            to_tokenize.append((spec, samples))
-        missing = {spec.index: samples for spec, samples in to_tokenize}
+            specs.append(spec)
+            missing[spec.index] = samples
         ready = []
-        for item in self.preparer.tokenize([spec for spec, _ in to_tokenize]):
+        for item in self.preparer.tokenize(specs):
             if isinstance(item, BadRow):
                 self._write_bad(item)
             else:

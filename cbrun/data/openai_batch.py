@@ -121,7 +121,8 @@ class OpenAIFormat:
     def bad_row(self, bad: BadRow) -> dict:
         return self._line(bad.id, 400, _error_body(bad.message, "invalid_request_error"))
 
-    def classify(self, line: dict) -> RowKey:
+    @staticmethod
+    def classify(line: dict) -> RowKey:
         """Resume key of one output line; raises ValueError if it is not a Batch API output line."""
         if not isinstance(line, dict) or "custom_id" not in line or not isinstance(line.get("response"), dict):
             raise ValueError("not an OpenAI batch output line (needs custom_id and response)")

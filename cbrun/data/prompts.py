@@ -96,7 +96,10 @@ class RowPreparer:
         keep = {name: record.get(name) for name in self.keep_columns}
 
         row_id, id_error = _row_id(record, raw.index)
-        bad = _Bad(raw.index, row_id, where, keep, meta)
+
+        def bad(reason: str) -> BadRow:
+            return BadRow(raw.index, row_id, f"{where}: {reason}", keep, meta)
+
         if id_error:
             return bad(id_error)
         first = self._seen.setdefault(row_id, raw.index)
@@ -194,16 +197,6 @@ class RowPreparer:
             return _bad_from(spec, f"{spec.field}: token id {token} at position {pos} is outside "
                                    f"the vocabulary [0, {self.vocab_size})")
         return spec
-
-
-class _Bad:
-    """Builds BadRows for one row."""
-
-    def __init__(self, index: int, row_id: str, where: str, keep: dict, meta: dict | None):
-        self.index, self.row_id, self.where, self.keep, self.meta = index, row_id, where, keep, meta
-
-    def __call__(self, reason: str) -> BadRow:
-        return BadRow(self.index, self.row_id, f"{self.where}: {reason}", self.keep, self.meta)
 
 
 def _bad_from(spec: RowSpec, reason: str) -> BadRow:

@@ -117,7 +117,8 @@ class CbrunFormat:
         row.update(bad.keep)
         return row
 
-    def classify(self, row: dict) -> RowKey:
+    @staticmethod
+    def classify(row: dict) -> RowKey:
         """Resume key of one cbrun row; raises ValueError if it is not a cbrun row."""
         if not isinstance(row, dict) or "id" not in row or "sample" not in row or "finish_reason" not in row:
             raise ValueError("not a cbrun output row (needs id, sample, finish_reason)")
