@@ -246,3 +246,18 @@ def test_usage_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch, a
     assert len(lines) == 1 and lines[0].startswith("cbrun: error: ") and message in lines[0], captured.err
     assert captured.out == ""
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_option_names_of_the_contract_exist():
+    import typer
+
+    from cbrun.cli.app import app
+
+    command = typer.main.get_command(app).commands["generate"]
+    names = {opt for param in command.params for opt in param.opts + param.secondary_opts}
+    contract = ("--model -m --max-tokens --temperature --top-p --top-k --min-p --seed --n --stop --ignore-eos "
+                "--logprobs --top-logprobs --dtype --device --page-size --num-blocks --max-batch-tokens "
+                "--max-requests-per-batch --scheduler --safety-margin --no-prefix-cache --cpu-offload-gb "
+                "--max-memory-percent --quiet -q --resume --overwrite --format --dataset --split --prompt-column "
+                "--chat --keep-columns --prompt-token-ids --window").split()
+    assert not [name for name in contract if name not in names]

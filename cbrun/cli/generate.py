@@ -380,7 +380,6 @@ def _quiet_libraries(quiet: bool) -> None:
     """Library chatter must not reach stdout, and nothing at all with --quiet."""
     import logging
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         import transformers
 

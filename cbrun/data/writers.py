@@ -115,6 +115,7 @@ class ParquetOutput:
 
 def finalize_parquet(path: Path, journal: Path, fmt: CbrunFormat) -> None:
     """Merge an existing Parquet OUTPUT and the journal into a new OUTPUT, atomically."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     old = pq.ParquetFile(path) if path.exists() else None
@@ -131,7 +132,7 @@ def finalize_parquet(path: Path, journal: Path, fmt: CbrunFormat) -> None:
             for row in rows:
                 for name in as_text:
                     row[name] = _as_text(row.get(name))
-            writer.write_table(_table(rows, schema))
+            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -198,12 +199,6 @@ def _unify(types: list):
 
 def _as_text(value):
     return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-
-def _table(rows: list[dict], schema):
-    import pyarrow as pa
-
-    return pa.Table.from_pylist(rows, schema=schema)
 
 
 def _conform(batch, schema):
