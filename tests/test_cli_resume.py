@@ -9,7 +9,6 @@ greedy completions, and rows already written are not generated again.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess

@@ -152,7 +152,8 @@ def test_openai_rows_are_written_once_all_samples_are_in():
     good = [r for r in writer.rows if r["custom_id"] != "bad"]
     assert all(len(r["response"]["body"]["choices"]) == 3 for r in good)
     bad = next(r for r in writer.rows if r["custom_id"] == "bad")
-    assert bad["response"]["status_code"] == 400 and bad["response"]["body"]["error"]["message"].startswith("row 5: url")
+    assert bad["response"]["status_code"] == 400
+    assert bad["response"]["body"]["error"]["message"].startswith("row 5: url")
 
 
 def test_an_input_that_breaks_mid_way_raises_input_error():
