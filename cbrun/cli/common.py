@@ -1,8 +1,19 @@
-"""What the commands share: the usage-error type, choice enums, engine options -> EngineConfig."""
+"""What the commands share: the usage-error type, model and engine options, model loading.
+
+`generate` and `bench` declare their model and engine options with the
+aliases below (`page_size: PageSizeOption = None`, ...), turn them into an
+EngineConfig with `build_engine_config` and load the model with `load_model`,
+so both commands spell, document and check them the same way.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from enum import Enum
+from typing import Annotated, Optional
+
+import typer
 
 EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -33,6 +44,34 @@ class Scheduler(str, Enum):
     prefill_first = "prefill-first"
 
 
+MODEL_PANEL, ENGINE_PANEL = "Model", "Engine"
+DEFAULT_MODEL = "smollm2-135m"
+
+ModelOption = Annotated[str, typer.Option("--model", "-m", help="HF model dir, cached hub id, .gguf file or alias.",
+                                          rich_help_panel=MODEL_PANEL)]
+DtypeOption = Annotated[Dtype, typer.Option(help="Weights and compute dtype (auto: bf16 where the CPU is fast at it).",
+                                            rich_help_panel=MODEL_PANEL)]
+DeviceOption = Annotated[Device, typer.Option(help="Where to run.", rich_help_panel=MODEL_PANEL)]
+PageSizeOption = Annotated[Optional[int], typer.Option(help="KV-cache page size in tokens.",
+                                                       rich_help_panel=ENGINE_PANEL)]
+NumBlocksOption = Annotated[Optional[int], typer.Option(help="KV-cache pages (default: sized from free memory).",
+                                                        rich_help_panel=ENGINE_PANEL)]
+MaxBatchTokensOption = Annotated[Optional[int], typer.Option(help="Query tokens per forward pass.",
+                                                             rich_help_panel=ENGINE_PANEL)]
+MaxRequestsPerBatchOption = Annotated[Optional[int], typer.Option(help="Sequences per forward pass.",
+                                                                  rich_help_panel=ENGINE_PANEL)]
+SchedulerOption = Annotated[Optional[Scheduler], typer.Option(help="Step ordering (default fifo).",
+                                                              rich_help_panel=ENGINE_PANEL)]
+SafetyMarginOption = Annotated[Optional[float], typer.Option(
+    help="Free-cache fraction below which no new prefill starts.", rich_help_panel=ENGINE_PANEL)]
+NoPrefixCacheOption = Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix caching.",
+                                                   rich_help_panel=ENGINE_PANEL)]
+CpuOffloadOption = Annotated[Optional[float], typer.Option(
+    help="CPU swap pool (GiB) for preempted requests; 0 recomputes them.", rich_help_panel=ENGINE_PANEL)]
+MaxMemoryPercentOption = Annotated[Optional[float], typer.Option(
+    help="Share of free memory for the KV cache (0.5 or 50).", rich_help_panel=ENGINE_PANEL)]
+
+
 def build_engine_config(*, page_size: int | None = None, num_blocks: int | None = None,
                         max_batch_tokens: int | None = None, max_requests_per_batch: int | None = None,
                         scheduler: str | None = None, safety_margin: float | None = None,
@@ -58,3 +97,36 @@ def build_engine_config(*, page_size: int | None = None, num_blocks: int | None 
         return EngineConfig(**{name: value for name, value in given.items() if value is not None})
     except ConfigError as exc:
         raise CliError(f"invalid engine option: {exc}") from None
+
+
+def load_model(spec: str, dtype: Dtype | str, device: Device | str):
+    """`cbrun.models.load_model`, with every failure turned into a one-line CliError."""
+    from cbrun.models import ModelLoadError, load_model as load
+
+    try:
+        return load(spec, dtype=getattr(dtype, "value", dtype), device=getattr(device, "value", device))
+    except ModelLoadError as exc:
+        raise CliError(str(exc)) from None
+    except (OSError, ValueError, RuntimeError, ImportError) as exc:
+        raise CliError(f"cannot load model {spec!r}: {first_line(exc)}") from None
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def quiet_libraries(quiet: bool) -> None:
+    """Library warnings would drown our output; with --quiet, no progress bars or logs either."""
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        if quiet:
+            transformers.logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    if quiet:
+        logging.getLogger().setLevel(logging.ERROR)
+        os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"

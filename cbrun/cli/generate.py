@@ -20,12 +20,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from cbrun.cli.common import (EXIT_INTERRUPTED, EXIT_OK, EXIT_ROWS_FAILED, CliError, Device, Dtype, Scheduler,
-                              build_engine_config)
+from cbrun.cli.common import (DEFAULT_MODEL, EXIT_INTERRUPTED, EXIT_OK, EXIT_ROWS_FAILED, CliError,
+                              CpuOffloadOption, Device, DeviceOption, Dtype, DtypeOption, MaxBatchTokensOption,
+                              MaxMemoryPercentOption, MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption,
+                              NumBlocksOption, PageSizeOption, SafetyMarginOption, SchedulerOption, build_engine_config,
+                              first_line, load_model, quiet_libraries)
 
-DEFAULT_MODEL = "smollm2-135m"
-INPUT_PANEL, SAMPLING_PANEL, OUTPUT_PANEL, MODEL_PANEL, ENGINE_PANEL = (
-    "Input", "Sampling (rows may override)", "Output", "Model", "Engine")
+INPUT_PANEL, SAMPLING_PANEL, OUTPUT_PANEL = "Input", "Sampling (rows may override)", "Output"
 
 
 class OutputFormat(str, Enum):
@@ -74,8 +75,7 @@ def generate(
         show_default=False)] = None,
     output: Annotated[Optional[str], typer.Argument(
         help="Results: .jsonl or .parquet (by extension), or - for JSON Lines on stdout.", show_default=False)] = None,
-    model: Annotated[str, typer.Option("--model", "-m", help="HF model dir, cached hub id, .gguf file or alias.",
-                                       rich_help_panel=MODEL_PANEL)] = DEFAULT_MODEL,
+    model: ModelOption = DEFAULT_MODEL,
     dataset: Annotated[Optional[str], typer.Option(
         help="A Hugging Face dataset (saved directory or name in the local cache) instead of INPUT.",
         rich_help_panel=INPUT_PANEL)] = None,
@@ -121,27 +121,17 @@ def generate(
                                             rich_help_panel=OUTPUT_PANEL)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.",
                                         rich_help_panel=OUTPUT_PANEL)] = False,
-    dtype: Annotated[Dtype, typer.Option(help="Weights and compute dtype (auto: bf16 where the CPU is fast at it).",
-                                         rich_help_panel=MODEL_PANEL)] = Dtype.auto,
-    device: Annotated[Device, typer.Option(help="Where to run.", rich_help_panel=MODEL_PANEL)] = Device.auto,
-    page_size: Annotated[Optional[int], typer.Option(help="KV-cache page size in tokens.",
-                                                     rich_help_panel=ENGINE_PANEL)] = None,
-    num_blocks: Annotated[Optional[int], typer.Option(help="KV-cache pages (default: sized from free memory).",
-                                                      rich_help_panel=ENGINE_PANEL)] = None,
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Query tokens per forward pass.",
-                                                            rich_help_panel=ENGINE_PANEL)] = None,
-    max_requests_per_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward pass.",
-                                                                  rich_help_panel=ENGINE_PANEL)] = None,
-    scheduler: Annotated[Optional[Scheduler], typer.Option(help="Step ordering (default fifo).",
-                                                           rich_help_panel=ENGINE_PANEL)] = None,
-    safety_margin: Annotated[Optional[float], typer.Option(
-        help="Free-cache fraction below which no new prefill starts.", rich_help_panel=ENGINE_PANEL)] = None,
-    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix caching.",
-                                                  rich_help_panel=ENGINE_PANEL)] = False,
-    cpu_offload_gb: Annotated[Optional[float], typer.Option(
-        help="CPU swap pool (GiB) for preempted requests; 0 recomputes them.", rich_help_panel=ENGINE_PANEL)] = None,
-    max_memory_percent: Annotated[Optional[float], typer.Option(
-        help="Share of free memory for the KV cache (0.5 or 50).", rich_help_panel=ENGINE_PANEL)] = None,
+    dtype: DtypeOption = Dtype.auto,
+    device: DeviceOption = Device.auto,
+    page_size: PageSizeOption = None,
+    num_blocks: NumBlocksOption = None,
+    max_batch_tokens: MaxBatchTokensOption = None,
+    max_requests_per_batch: MaxRequestsPerBatchOption = None,
+    scheduler: SchedulerOption = None,
+    safety_margin: SafetyMarginOption = None,
+    no_prefix_cache: NoPrefixCacheOption = False,
+    cpu_offload_gb: CpuOffloadOption = None,
+    max_memory_percent: MaxMemoryPercentOption = None,
 ) -> int:
     """Run a prompt dataset through the engine; write one row per (prompt, sample) as results finish."""
     engine = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
@@ -163,7 +153,7 @@ def run_generate(opts: GenerateOptions) -> int:
     from cbrun.data.prompts import RowPreparer
     from cbrun.data.reader import InputError
 
-    _quiet_libraries(opts.quiet)
+    quiet_libraries(opts.quiet)
     if opts.dataset is not None and opts.output is None:
         opts.input, opts.output = None, opts.input
     elif opts.dataset is not None and opts.input is not None:
@@ -183,7 +173,7 @@ def run_generate(opts: GenerateOptions) -> int:
     resume_state = _resume_state(target, fmt_name) if opts.resume else None
 
     with _claim_stdout(target.kind == "stdout") as data_stream:
-        model, tokenizer = _load_model(opts)
+        model, tokenizer = load_model(opts.model, opts.dtype, opts.device)
         if opts.chat and not getattr(tokenizer, "chat_template", None):
             raise CliError(f"--chat: the tokenizer of {opts.model!r} has no chat template")
         fmt, converter = _formats(fmt_name, openai_input, tokenizer, opts, keep)
@@ -348,50 +338,16 @@ def _resume_state(target: OutputTarget, fmt_name: str):
         raise CliError(str(exc)) from None
 
 
-def _load_model(opts: GenerateOptions):
-    from cbrun.models import ModelLoadError, load_model
-
-    try:
-        return load_model(opts.model, dtype=opts.dtype.value, device=opts.device.value)
-    except ModelLoadError as exc:
-        raise CliError(str(exc)) from None
-    except (OSError, ValueError, RuntimeError, ImportError) as exc:
-        raise CliError(f"cannot load model {opts.model!r}: {_first_line(exc)}") from None
-
-
 def _start_engine(model, tokenizer, config):
     from cbrun.engine import ConfigError, Engine, UnsupportedModelError
 
     try:
         return Engine(model, tokenizer, config)
     except (ConfigError, UnsupportedModelError, MemoryError, RuntimeError, ValueError) as exc:
-        raise CliError(f"cannot start the engine: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+        raise CliError(f"cannot start the engine: {first_line(exc)}") from None
 
 
 # --- running ---------------------------------------------------------------------
-
-
-def _quiet_libraries(quiet: bool) -> None:
-    """Library chatter must not reach stdout, and nothing at all with --quiet."""
-    import logging
-
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        if quiet:
-            transformers.logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
-    if quiet:
-        logging.getLogger().setLevel(logging.ERROR)
-        os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 
 @contextlib.contextmanager
