@@ -28,7 +28,7 @@ from rich.text import Text
 from cbrun.engine.config import StatsSnapshot
 
 RATE_WINDOW_S = 10.0  # throughput is averaged over the last seconds
-KV_BAR_WIDTH = 40
+KV_BAR_WIDTH = 24
 
 
 class Rates:
@@ -216,8 +216,8 @@ def kv_bar(s: StatsSnapshot, width: int = KV_BAR_WIDTH) -> Text:
     bar.append("█" * used, style="red")
     bar.append("█" * cached, style="yellow")
     bar.append("█" * (width - used - cached), style="green")
-    bar.append(f" {s.kv_occupancy:.0%}  used {s.blocks_used}  cached {s.blocks_cached}  free {s.blocks_free}"
-               f"  of {s.blocks_total}")
+    bar.append(f" {s.kv_occupancy:.0%} used {s.blocks_used} cached {s.blocks_cached} free {s.blocks_free}"
+               f" / {s.blocks_total}")
     return bar
 
 

@@ -49,7 +49,7 @@ def test_unknown_total_shows_rows_without_percent_or_eta():
 def test_live_view_shows_every_field():
     text = render(Dashboard(FakeEngine().stats, progress(), stream=io.StringIO(), title="gen").renderable())
     for part in ("gen", "4/10 rows", "eta 00:1", "throughput", "tok/s", "req/s", "pending", "prefilling",
-                 "decoding", "kv cache", "30%  used 30  cached 10  free 60  of 100", "hit rate 25.0%",
+                 "decoding", "kv cache", "30% used 30 cached 10 free 60 / 100", "hit rate 25.0%",
                  "offloads 0", "soft resets 0", "errors"):
         assert part in text, (part, text)
 
