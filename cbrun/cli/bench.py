@@ -10,16 +10,18 @@ the exit code 1 after the report is printed; an unavailable one does not.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from cbrun.cli.common import EXIT_OK, EXIT_ROWS_FAILED, CliError, Device, Dtype, Scheduler, build_engine_config
+from cbrun.cli.common import (DEFAULT_MODEL, EXIT_OK, EXIT_ROWS_FAILED, MODEL_PANEL, CliError, CpuOffloadOption, Device,
+                              DeviceOption, Dtype, DtypeOption, MaxBatchTokensOption, MaxMemoryPercentOption,
+                              MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption, NumBlocksOption,
+                              PageSizeOption, SafetyMarginOption, SchedulerOption, build_engine_config, load_model,
+                              quiet_libraries)
 
-WORKLOAD_PANEL, PEERS_PANEL, MODEL_PANEL, ENGINE_PANEL, OUTPUT_PANEL = (
-    "Workload", "Engines compared", "Model", "cbrun engine", "Output")
+WORKLOAD_PANEL, PEERS_PANEL, OUTPUT_PANEL = "Workload", "Engines compared", "Output"
 DEFAULT_NUM_PROMPTS = 256
 
 
@@ -57,29 +59,9 @@ def bench(
     transformers_cb_config: Annotated[Optional[str], typer.Option(
         help="JSON overrides of transformers' ContinuousBatchingConfig (default: its defaults, which size "
         "the cache from most of the RAM on CPU).", show_default=False, rich_help_panel=PEERS_PANEL)] = None,
-    model: Annotated[str, typer.Option("--model", "-m", help="HF model dir, cached hub id, .gguf file or alias.",
-                                       rich_help_panel=MODEL_PANEL)] = "smollm2-135m",
-    dtype: Annotated[Dtype, typer.Option(help="Weights and compute dtype, for every engine.",
-                                         rich_help_panel=MODEL_PANEL)] = Dtype.auto,
-    device: Annotated[Device, typer.Option(help="Where to run.", rich_help_panel=MODEL_PANEL)] = Device.auto,
-    page_size: Annotated[Optional[int], typer.Option(help="KV-cache page size in tokens.",
-                                                     rich_help_panel=ENGINE_PANEL)] = None,
-    num_blocks: Annotated[Optional[int], typer.Option(help="KV-cache pages (default: sized from free memory).",
-                                                      rich_help_panel=ENGINE_PANEL)] = None,
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Query tokens per forward pass.",
-                                                            rich_help_panel=ENGINE_PANEL)] = None,
-    max_requests_per_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward pass.",
-                                                                  rich_help_panel=ENGINE_PANEL)] = None,
-    scheduler: Annotated[Optional[Scheduler], typer.Option(help="Step ordering (default fifo).",
-                                                           rich_help_panel=ENGINE_PANEL)] = None,
-    safety_margin: Annotated[Optional[float], typer.Option(
-        help="Free-cache fraction below which no new prefill starts.", rich_help_panel=ENGINE_PANEL)] = None,
-    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix caching.",
-                                                  rich_help_panel=ENGINE_PANEL)] = False,
-    cpu_offload_gb: Annotated[Optional[float], typer.Option(
-        help="CPU swap pool (GiB) for preempted requests; 0 recomputes them.", rich_help_panel=ENGINE_PANEL)] = None,
-    max_memory_percent: Annotated[Optional[float], typer.Option(
-        help="Share of free memory for the KV cache (0.5 or 50).", rich_help_panel=ENGINE_PANEL)] = None,
+    model: ModelOption = DEFAULT_MODEL,
+    dtype: DtypeOption = Dtype.auto,
+    device: DeviceOption = Device.auto,
     threads: Annotated[Optional[int], typer.Option(
         help="CPU threads for every engine (torch.set_num_threads; vLLM binds cores 0..N-1). Default: torch's.",
         show_default=False, rich_help_panel=MODEL_PANEL)] = None,
@@ -87,13 +69,22 @@ def bench(
                                                         show_default=False, rich_help_panel=OUTPUT_PANEL)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.",
                                         rich_help_panel=OUTPUT_PANEL)] = False,
+    page_size: PageSizeOption = None,
+    num_blocks: NumBlocksOption = None,
+    max_batch_tokens: MaxBatchTokensOption = None,
+    max_requests_per_batch: MaxRequestsPerBatchOption = None,
+    scheduler: SchedulerOption = None,
+    safety_margin: SafetyMarginOption = None,
+    no_prefix_cache: NoPrefixCacheOption = False,
+    cpu_offload_gb: CpuOffloadOption = None,
+    max_memory_percent: MaxMemoryPercentOption = None,
 ) -> int:
     """Measure cbrun against peer engines on the same requests: one table, one run, one machine."""
     from cbrun.bench.peers import PEER_NAMES, PeerContext, Progress
     from cbrun.bench.report import print_report
     from cbrun.bench.runner import run_bench
 
-    _quiet_libraries(quiet)
+    quiet_libraries(quiet)
     engines = [e.strip() for e in engine.split(",") if e.strip()]
     unknown = [e for e in engines if e not in PEER_NAMES]
     if not engines or unknown:
@@ -116,7 +107,7 @@ def bench(
         torch.set_num_threads(threads)
     progress = Progress(quiet=quiet)
     progress.message(f"[bench] loading {model}")
-    model_obj, tokenizer = _load_model(model, dtype.value, device.value)
+    model_obj, tokenizer = load_model(model, dtype, device)
 
     workload, warmup, skipped = _workloads(
         model_obj, tokenizer, dataset_path, num_prompts, input_len, output_len, random_range_ratio, prefix_len,
@@ -164,17 +155,6 @@ def _cb_overrides(text: str | None) -> dict:
     return value
 
 
-def _load_model(spec: str, dtype: str, device: str):
-    from cbrun.models import ModelLoadError, load_model
-
-    try:
-        return load_model(spec, dtype=dtype, device=device)
-    except ModelLoadError as e:
-        raise CliError(str(e)) from None
-    except (OSError, ValueError, RuntimeError, ImportError) as e:
-        raise CliError(f"cannot load model {spec!r}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
-
-
 def _workloads(model, tokenizer, dataset_path, num_prompts, input_len, output_len, range_ratio, prefix_len, n,
                seed, ignore_eos, temperature):
     """The timed workload, its warm-up and the skipped dataset rows; bad values are usage errors."""
@@ -213,17 +193,6 @@ def _dashboard():
     except ImportError:
         return None
     return bench_dashboard
-
-
-def _quiet_libraries(quiet: bool) -> None:
-    """Library warnings would drown the report; with --quiet, no progress bars either."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    if quiet:
-        transformers.logging.disable_progress_bar()
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 
 def _asdict(config) -> dict:
