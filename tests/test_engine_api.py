@@ -150,3 +150,13 @@ def test_add_requests_from_threads(llama):
             t.join()
         got = sorted(engine.get_result(timeout=30).request_id for _ in prompts)
     assert got == sorted(f"t{i}" for i in range(8))
+
+
+def test_add_requests_takes_one_sampling_per_prompt(llama):
+    model, tokenizer = llama
+    prompts = random_prompts(_vocab(model), [8, 16, 24], seed=9)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (2, 5, 9)]
+    with Engine(model, tokenizer, EngineConfig(num_blocks=100)) as engine:
+        ids = engine.add_requests(prompts, params, request_ids=["a", "b", "c"])
+        lengths = {rid: len(engine.get_result(rid, timeout=30).token_ids) for rid in ids}
+    assert lengths == {"a": 2, "b": 5, "c": 9}

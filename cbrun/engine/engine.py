@@ -36,8 +36,8 @@ class Engine:
         self.core = EngineCore(model, tokenizer, self.config)
         self.max_context = self.core.spec.max_context
         self.vocab_size = self.core.spec.vocab_size
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # guards the core; held for a whole step
+        self._inbox_cond = threading.Condition()  # guards the inbox and the closing flags only
         self._inbox: deque[Request] = deque()
         self._results = ResultStore()
         self._streams: dict[str, tuple[queue.Queue, int]] = {}  # id -> (chunks, samples)
@@ -45,7 +45,6 @@ class Engine:
         self._arrivals = itertools.count()
         self._draining = False
         self._closed = False
-        self._idle = True
         self._thread = threading.Thread(target=self._loop, name="cbrun-engine", daemon=True)
         self._thread.start()
 
@@ -56,23 +55,28 @@ class Engine:
         it finishes with finish_reason "error" and a message instead."""
         return self._submit([(prompt, sampling, request_id)], stream)[0]
 
-    def add_requests(self, prompts: Sequence[Prompt], sampling: SamplingParams | dict | None = None,
+    def add_requests(self, prompts: Sequence[Prompt],
+                     sampling: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
                      request_ids: Sequence[str] | None = None) -> list[str]:
-        """Queue many prompts, submitted in token-id order so shared prefixes hit the cache."""
+        """Queue many prompts, submitted in token-id order so shared prefixes hit the cache.
+
+        `sampling` is one value for all prompts or a sequence with one per prompt.
+        """
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
-        if len(ids) != len(prompts):
-            raise ValueError("request_ids must have one id per prompt")
-        return self._submit([(p, sampling, i) for p, i in zip(prompts, ids)], stream=False, sort=True)
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(ids) != len(prompts) or len(params) != len(prompts):
+            raise ValueError("request_ids and per-prompt sampling must have one entry per prompt")
+        return self._submit(list(zip(prompts, params, ids)), stream=False, sort=True)
 
     def _submit(self, entries, stream: bool, sort: bool = False) -> list[str]:
         prepared = [self._prepare(prompt, sampling, rid, stream) for prompt, sampling, rid in entries]
         order = sorted(range(len(prepared)), key=lambda i: prepared[i][1]) if sort else range(len(prepared))
-        with self._lock:
+        with self._inbox_cond:  # never waits for a running step
             if self._closed or self._draining:
                 raise RuntimeError("engine is stopped; no new requests are accepted")
             for index in order:
                 self._enqueue(*prepared[index])
-            self._wake.notify()
+            self._inbox_cond.notify()
         return [p[0] for p in prepared]
 
     def _prepare(self, prompt, sampling, request_id, stream):
@@ -119,19 +123,22 @@ class Engine:
     # -- the loop -----------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            with self._inbox_cond:
+                arrived = list(self._inbox)
+                self._inbox.clear()
+                closing = self._closed or self._draining
             with self._lock:
-                while self._inbox:
-                    self.core.add(self._inbox.popleft())
-                if not self.core.has_work():
-                    self._idle = True
-                    if self._closed or self._draining:
-                        return
-                    self._wake.wait(timeout=0.5)
+                for request in arrived:
+                    self.core.add(request)
+                if self.core.has_work():
+                    self._publish(self.core.step())
                     continue
-                if self._idle:
-                    self._idle = False
-                outcome = self.core.step()
-                self._publish(outcome)
+            with self._inbox_cond:
+                if self._inbox:
+                    continue
+                if closing:
+                    return
+                self._inbox_cond.wait(timeout=0.5)
 
     def _publish(self, outcome: StepOutcome) -> None:
         for event in outcome.tokens:
@@ -189,7 +196,7 @@ class Engine:
 
     def cancel_request(self, request_id: str) -> bool:
         """Cancel every sample of a request; its blocks are free when this returns."""
-        with self._lock:
+        with self._lock, self._inbox_cond:
             found = [r for r in list(self._inbox) if r.request_id == request_id]
             for request in found:
                 self._inbox.remove(request)
@@ -213,11 +220,12 @@ class Engine:
     # -- shutdown -------------------------------------------------------------
     def stop(self, hard: bool = False, timeout: float | None = None) -> None:
         """Drain (finish queued and active requests), or with hard=True fail them now."""
-        with self._lock:
+        with self._inbox_cond:
             self._draining = True
-            if hard:
+            self._inbox_cond.notify()
+        if hard:
+            with self._lock, self._inbox_cond:
                 self._fail_all("engine stopped before the request finished")
-            self._wake.notify()
         self._thread.join(timeout)
 
     def _fail_all(self, message: str) -> None:
@@ -234,7 +242,7 @@ class Engine:
         """Stop now and release the cache memory."""
         if self._thread.is_alive():
             self.stop(hard=True)
-        with self._lock:
+        with self._lock, self._inbox_cond:
             self._closed = True
             self.core.store.data = None
 
