@@ -66,26 +66,19 @@ def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str | None) -
 
 
 def _submit(engine, workload: Workload) -> tuple[dict[str, int], int]:
-    """Queue the workload with `add_requests` (prefix-sorted), one call per distinct output length.
+    """Queue the whole workload in one prefix-sorted `add_requests` call.
 
-    `add_requests` takes one SamplingParams for all its prompts, and single
-    `add_request` calls interleave with engine steps, so requests are grouped
-    by their only varying field, max_tokens; all share the workload's seed.
-    Returns request id -> prompt index, and the number of calls.
+    Each request gets its own output length and its own seed (`Workload.request_seed`).
+    Returns request id -> prompt index, and the number of calls (1).
     """
     from cbrun.engine import SamplingParams
 
-    groups: dict[int, list[int]] = {}
-    for i, length in enumerate(workload.output_lens):
-        groups.setdefault(length, []).append(i)
-    index_of: dict[str, int] = {}
-    for length, indices in groups.items():
-        sampling = SamplingParams(max_tokens=length, temperature=workload.temperature,
-                                  ignore_eos=workload.ignore_eos, n=workload.n, seed=workload.seed)
-        ids = [f"bench-{i}" for i in indices]
-        engine.add_requests([workload.prompts[i] for i in indices], sampling, request_ids=ids)
-        index_of.update(zip(ids, indices))
-    return index_of, len(groups)
+    params = [SamplingParams(max_tokens=length, temperature=workload.temperature, ignore_eos=workload.ignore_eos,
+                             n=workload.n, seed=workload.request_seed(i))
+              for i, length in enumerate(workload.output_lens)]
+    ids = [f"bench-{i}" for i in range(workload.num_prompts)]
+    engine.add_requests(workload.prompts, params, request_ids=ids)
+    return {rid: i for i, rid in enumerate(ids)}, 1
 
 
 def stats_delta(before, after) -> dict:
