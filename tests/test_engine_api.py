@@ -160,3 +160,23 @@ def test_add_requests_takes_one_sampling_per_prompt(llama):
         ids = engine.add_requests(prompts, params, request_ids=["a", "b", "c"])
         lengths = {rid: len(engine.get_result(rid, timeout=30).token_ids) for rid in ids}
     assert lengths == {"a": 2, "b": 5, "c": 9}
+
+
+def test_a_failing_step_fails_live_requests_and_the_engine_goes_on(llama, monkeypatch):
+    model, tokenizer = llama
+    prompt = random_prompts(_vocab(model), [10], seed=10)[0]
+    with Engine(model, tokenizer, EngineConfig(num_blocks=100)) as engine:
+        original = engine.core.scheduler.schedule
+        calls = {"n": 0}
+
+        def flaky():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("scheduler exploded")
+            return original()
+
+        monkeypatch.setattr(engine.core.scheduler, "schedule", flaky)
+        broken = engine.generate_batch([prompt], SamplingParams(max_tokens=3))[0]
+        fine = engine.generate_batch([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert broken.finish_reason == "error" and "scheduler exploded" in broken.error
+    assert fine.error is None and len(fine.token_ids) == 3

@@ -87,7 +87,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 and top_p 1.0 and min_p 0.0 are "off".
     seed None lets the engine pick one; a request's random stream depends only
     on its seed, its sample index and the token position, never on the batch.
-    n > 1 produces n samples of the same prompt (sample i uses seed + i's stream).
+    n > 1 produces n samples of the same prompt; sample i draws from the stream of
+    (seed, i), so each sample is reproducible on its own.
     top_logprobs K > 0 returns the K most likely alternatives at each position.
     """
 

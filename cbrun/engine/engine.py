@@ -131,7 +131,7 @@ class Engine:
                 for request in arrived:
                     self.core.add(request)
                 if self.core.has_work():
-                    self._publish(self.core.step())
+                    self._step_safely()
                     continue
             with self._inbox_cond:
                 if self._inbox:
@@ -139,6 +139,20 @@ class Engine:
                 if closing:
                     return
                 self._inbox_cond.wait(timeout=0.5)
+
+    def _step_safely(self) -> None:
+        """One step; an unexpected error fails the live requests instead of killing the loop."""
+        try:
+            self._publish(self.core.step())
+        except Exception as exc:
+            log.exception("engine step failed")
+            message = f"engine step failed: {type(exc).__name__}: {exc}"
+            for request in self.core.live_requests():
+                try:
+                    self.core.remove(request, RequestStatus.FAILED, "error", message)
+                except Exception:  # bookkeeping may be what broke; deliver the error regardless
+                    request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", message
+                self._deliver_finished(request)
 
     def _publish(self, outcome: StepOutcome) -> None:
         for event in outcome.tokens:
