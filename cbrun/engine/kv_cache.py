@@ -139,7 +139,41 @@ class BlockPool:
             assert self._hash_of[block] == block_hash, "hash maps disagree"
 
 
-class FullAttentionAllocator:
+class _TableAllocator:
+    """Per-request block tables drawn from a shared pool (the part both allocator kinds share)."""
+
+    supports_sharing = False
+
+    def __init__(self, pool: BlockPool, page_size: int) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.tables: dict[RequestKey, list[int]] = {}
+
+    def _pages_covered(self, key: RequestKey) -> int:
+        return len(self.tables.get(key, ()))
+
+    def blocks_needed(self, key: RequestKey, num_tokens: int) -> int:
+        """New blocks required so that `num_tokens` tokens have a slot."""
+        return max(0, -(-num_tokens // self.page_size) - self._pages_covered(key))
+
+    def allocate(self, key: RequestKey, num_tokens: int) -> bool:
+        """Grow the table to hold `num_tokens` tokens; False (and no change) if the pool is short."""
+        needed = self.blocks_needed(key, num_tokens)
+        blocks = self.pool.allocate(needed) if needed else []
+        if blocks is None:
+            return False
+        self.tables.setdefault(key, []).extend(blocks)
+        return True
+
+    def _release_table(self, key: RequestKey) -> None:
+        """Release the request's blocks, tail first; hashed content survives as cached."""
+        self.pool.release(self.tables.pop(key, [])[::-1])
+
+    def table(self, key: RequestKey) -> list[int]:
+        return self.tables.get(key, [])
+
+
+class FullAttentionAllocator(_TableAllocator):
     """Block tables for full-attention layers: one block per page of every token.
 
     Supports prefix sharing: full blocks are registered in the pool by their
@@ -149,28 +183,9 @@ class FullAttentionAllocator:
     supports_sharing = True
 
     def __init__(self, pool: BlockPool, page_size: int, share_prefixes: bool) -> None:
-        self.pool = pool
-        self.page_size = page_size
+        super().__init__(pool, page_size)
         self.share_prefixes = share_prefixes
-        self.tables: dict[RequestKey, list[int]] = {}
         self._hashes: dict[RequestKey, list[bytes]] = {}
-
-    def blocks_needed(self, key: RequestKey, num_tokens: int) -> int:
-        """New blocks required so that `num_tokens` tokens have a slot."""
-        have = len(self.tables.get(key, ()))
-        return max(0, -(-num_tokens // self.page_size) - have)
-
-    def allocate(self, key: RequestKey, num_tokens: int) -> bool:
-        """Grow the table to hold `num_tokens` tokens; False (and no change) if the pool is short."""
-        needed = self.blocks_needed(key, num_tokens)
-        if needed == 0:
-            self.tables.setdefault(key, [])
-            return True
-        blocks = self.pool.allocate(needed)
-        if blocks is None:
-            return False
-        self.tables.setdefault(key, []).extend(blocks)
-        return True
 
     def match_prefix(self, key: RequestKey, token_ids: Sequence[int]) -> int:
         """Attach cached blocks for the longest hashed prefix; returns tokens reused.
@@ -235,15 +250,11 @@ class FullAttentionAllocator:
 
     def free(self, key: RequestKey) -> None:
         """Release the request's blocks (tail first); cached content survives."""
-        table = self.tables.pop(key, [])
         self._hashes.pop(key, None)
-        self.pool.release(table[::-1])
-
-    def table(self, key: RequestKey) -> list[int]:
-        return self.tables.get(key, [])
+        self._release_table(key)
 
 
-class SlidingWindowAllocator:
+class SlidingWindowAllocator(_TableAllocator):
     """Block tables for sliding-window layers: only the last `window` tokens are kept.
 
     The table covers pages from `first_page[key]` on; pages that fall wholly
@@ -251,13 +262,9 @@ class SlidingWindowAllocator:
     request holds at most about window / page_size + 2 blocks.
     """
 
-    supports_sharing = False
-
     def __init__(self, pool: BlockPool, page_size: int, window: int) -> None:
-        self.pool = pool
-        self.page_size = page_size
+        super().__init__(pool, page_size)
         self.window = window
-        self.tables: dict[RequestKey, list[int]] = {}
         self.first_page: dict[RequestKey, int] = {}
 
     def _pages_in_use(self, key: RequestKey, num_computed: int) -> int:
@@ -265,21 +272,12 @@ class SlidingWindowAllocator:
         oldest_needed = max(0, num_computed - self.window + 1)
         return oldest_needed // self.page_size
 
-    def blocks_needed(self, key: RequestKey, num_tokens: int) -> int:
-        covered = self.first_page.get(key, 0) + len(self.tables.get(key, ()))
-        return max(0, -(-num_tokens // self.page_size) - covered)
+    def _pages_covered(self, key: RequestKey) -> int:
+        return self.first_page.get(key, 0) + len(self.tables.get(key, ()))
 
     def allocate(self, key: RequestKey, num_tokens: int) -> bool:
-        needed = self.blocks_needed(key, num_tokens)
         self.first_page.setdefault(key, 0)
-        if needed == 0:
-            self.tables.setdefault(key, [])
-            return True
-        blocks = self.pool.allocate(needed)
-        if blocks is None:
-            return False
-        self.tables.setdefault(key, []).extend(blocks)
-        return True
+        return super().allocate(key, num_tokens)
 
     def match_prefix(self, key: RequestKey, token_ids: Sequence[int]) -> int:
         return 0
@@ -301,12 +299,8 @@ class SlidingWindowAllocator:
             self.first_page[key] += drop
 
     def free(self, key: RequestKey) -> None:
-        table = self.tables.pop(key, [])
         self.first_page.pop(key, None)
-        self.pool.release(table[::-1])
-
-    def table(self, key: RequestKey) -> list[int]:
-        return self.tables.get(key, [])
+        self._release_table(key)
 
 
 class KVCacheManager:
