@@ -1,142 +1,22 @@
-"""Paged KV-cache bookkeeping: the block pool, allocators and the prefix cache.
+"""Paged KV-cache bookkeeping: per-request block tables over the shared block pool.
 
-Plain Python, no torch: which page holds which tokens of which request is
-decided here; the tensors live in `kv_store.py`. A block is one page (of
-`page_size` tokens) in every layer that uses that allocator's attention type.
-
-Blocks are reference counted. A freed block whose content was hashed stays
-"cached": it is free, but a later request with the same prefix can take it
-back. Cached blocks are evicted (their hash dropped) only when no never-used
-block is left, oldest first, and a sequence's tail blocks before its head, so
-the shared heads of prefixes survive longest.
-
-    pool:  [ used (ref>0) | cached (ref 0, hashed, LRU) | uninitialized ]
+A block is one page (of `page_size` tokens) in every layer that uses that
+allocator's attention type. Full-attention layers keep every page and share
+hashed prefix pages across requests; sliding-window layers keep only the
+pages their window can still reach. `KVCacheManager` makes every operation
+all-or-nothing across allocators. Plain Python, no torch; the tensors live
+in `kv_store.py`, the pool in `block_pool.py`.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections import OrderedDict
 from typing import Hashable, Sequence
+
+from cbrun.engine.block_pool import BlockPool, chain_hash
 
 RequestKey = Hashable
 
-
-def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """Stable content hash of one full block, chained with its parent's.
-
-    blake2b over the parent hash and the token ids as int64 bytes: the same
-    on every run and process (Python's `hash()` is salted).
-    """
-    digest = hashlib.blake2b(digest_size=16)
-    if parent is not None:
-        digest.update(parent)
-    digest.update(array("q", tokens).tobytes())
-    return digest.digest()
-
-
-class BlockPool:
-    """A fixed set of block ids with reference counts and a content-hash index."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.ref_count = [0] * num_blocks
-        self._uninitialized: list[int] = list(range(num_blocks - 1, -1, -1))  # LIFO: reuse warm pages first
-        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: first = evict first
-        self._hash_of: dict[int, bytes] = {}
-        self._tokens_of: dict[int, tuple[int, ...]] = {}
-        self._block_of: dict[bytes, int] = {}
-        self.evictions = 0
-
-    # -- capacity -------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        """Blocks that can be handed out now (never-used plus cached)."""
-        return len(self._uninitialized) + len(self._cached)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
-
-    # -- allocation -----------------------------------------------------
-    def allocate(self, count: int) -> list[int] | None:
-        """Take `count` fresh blocks (ref 1), or None and take nothing."""
-        if count > self.num_free:
-            return None
-        blocks = []
-        for _ in range(count):
-            if self._uninitialized:
-                block = self._uninitialized.pop()
-            else:
-                block, _ = self._cached.popitem(last=False)
-                self._forget(block)
-                self.evictions += 1
-            self.ref_count[block] = 1
-            blocks.append(block)
-        return blocks
-
-    def release(self, blocks: Sequence[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero become free.
-
-        Callers pass a sequence's blocks tail first so that its tail is
-        evicted before the shared head.
-        """
-        for block in blocks:
-            count = self.ref_count[block] - 1
-            if count < 0:
-                raise RuntimeError(f"block {block} released more often than taken")
-            self.ref_count[block] = count
-            if count == 0:
-                if block in self._hash_of:
-                    self._cached[block] = None
-                else:
-                    self._uninitialized.append(block)
-
-    # -- prefix cache ---------------------------------------------------
-    def lookup(self, block_hash: bytes, tokens: Sequence[int]) -> int | None:
-        """The block holding exactly these tokens under this hash chain, if any."""
-        block = self._block_of.get(block_hash)
-        if block is None or self._tokens_of[block] != tuple(tokens):
-            return None
-        return block
-
-    def share(self, block: int) -> None:
-        """Take one more reference to a hashed block (reviving it if cached)."""
-        if self.ref_count[block] == 0:
-            del self._cached[block]
-        self.ref_count[block] += 1
-
-    def register(self, block: int, block_hash: bytes, tokens: Sequence[int]) -> None:
-        """Record that `block` now holds these tokens (first writer wins)."""
-        if block_hash in self._block_of or block in self._hash_of:
-            return
-        self._hash_of[block] = block_hash
-        self._tokens_of[block] = tuple(tokens)
-        self._block_of[block_hash] = block
-
-    def _forget(self, block: int) -> None:
-        block_hash = self._hash_of.pop(block)
-        del self._tokens_of[block]
-        del self._block_of[block_hash]
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent (tests call this)."""
-        free_ids = list(self._uninitialized) + list(self._cached)
-        assert len(set(free_ids)) == len(free_ids), "a block is free twice"
-        for block in free_ids:
-            assert self.ref_count[block] == 0, f"free block {block} has references"
-        used = sum(1 for count in self.ref_count if count > 0)
-        assert used + len(free_ids) == self.num_blocks, "free + used != total"
-        assert all(count >= 0 for count in self.ref_count), "negative reference count"
-        for block in self._cached:
-            assert block in self._hash_of, "cached block without hash"
-        for block_hash, block in self._block_of.items():
-            assert self._hash_of[block] == block_hash, "hash maps disagree"
+__all__ = ["BlockPool", "FullAttentionAllocator", "KVCacheManager", "SlidingWindowAllocator", "chain_hash"]
 
 
 class _TableAllocator:
