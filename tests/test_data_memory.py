@@ -21,7 +21,7 @@ ROWS = 100_000
 PROMPT_TOKENS = 250
 
 SCRIPT = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     from pathlib import Path
     import psutil
     from fake_engine import FakeEngine
@@ -41,7 +41,10 @@ SCRIPT = textwrap.dedent("""
     writer = JsonlWriter.open(Path(out_path), append=False)
     progress = GenerateJob(engine, source, preparer, CbrunFormat(), writer).run()
     writer.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not ru_maxrss: ru_maxrss survives exec, so it would report the forking
+    # pytest process's size when the suite has loaded models before this test.
+    status = Path("/proc/self/status").read_text().splitlines()
+    peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024
     print(json.dumps({"before": before, "peak": peak, "rows": progress.rows_done,
                       "max_in_flight": engine.max_in_flight}))
 """)
