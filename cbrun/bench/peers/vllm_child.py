@@ -57,9 +57,11 @@ def run_pass(llm, spec):
             ignore_eos=spec["ignore_eos"],
             temperature=spec["temperature"],
             top_p=1.0,
-            seed=spec["seed"] + i if spec["temperature"] > 0 else None,
+            # no per-request seed: vLLM 0.32's CPU sampler fails on seeded requests
+            # ("CPU Generator does not use offset"); the engine-wide seed still applies
+            seed=None,
         )
-        for i, length in enumerate(spec["output_lens"])
+        for length in spec["output_lens"]
     ]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
