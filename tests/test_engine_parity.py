@@ -36,29 +36,28 @@ def _workload(model):
     return random_prompts(vocab, PROMPT_LENGTHS, seed=vocab)
 
 
-@pytest.fixture(scope="module")
-def llama_case(tiny_llama_dir):
-    engine_model, ref_model, tokenizer = load_pair(str(tiny_llama_dir))
+def _case(engine_model, ref_model, tokenizer):
+    """Engine copy, reference copy, tokenizer, prompts and model.generate's greedy tokens."""
     prompts = _workload(ref_model)
     refs = [reference_greedy(ref_model, p, m) for p, m in zip(prompts, MAX_TOKENS)]
     return engine_model, ref_model, tokenizer, prompts, refs
+
+
+@pytest.fixture(scope="module")
+def llama_case(tiny_llama_dir):
+    return _case(*load_pair(str(tiny_llama_dir)))
 
 
 @pytest.fixture(scope="module")
 def qwen3_case(tiny_qwen3_dir):
-    engine_model, ref_model, tokenizer = load_pair(str(tiny_qwen3_dir))
-    prompts = _workload(ref_model)
-    refs = [reference_greedy(ref_model, p, m) for p, m in zip(prompts, MAX_TOKENS)]
-    return engine_model, ref_model, tokenizer, prompts, refs
+    return _case(*load_pair(str(tiny_qwen3_dir)))
 
 
 @pytest.fixture(scope="module")
 def smollm_case(smollm2):
     ref_model, tokenizer = smollm2
     engine_model = copy.deepcopy(ref_model)  # the engine switches its attention; keep the fixture's
-    prompts = _workload(ref_model)
-    refs = [reference_greedy(ref_model, p, m) for p, m in zip(prompts, MAX_TOKENS)]
-    return engine_model, ref_model, tokenizer, prompts, refs
+    return _case(engine_model, ref_model, tokenizer)
 
 
 def _check_parity(case, page, budget, scheduler, max_requests):
