@@ -123,11 +123,11 @@ class Engine:
     # -- the loop -----------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self._inbox_cond:
-                arrived = list(self._inbox)
-                self._inbox.clear()
-                closing = self._closed or self._draining
             with self._lock:
+                with self._inbox_cond:  # moved under the core lock: a hard stop sees every request
+                    arrived = list(self._inbox)
+                    self._inbox.clear()
+                    closing = self._closed or self._draining
                 for request in arrived:
                     self.core.add(request)
                 if self.core.has_work():
