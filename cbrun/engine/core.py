@@ -223,7 +223,3 @@ class EngineCore:
         snap.offloads, snap.restores, snap.soft_resets = counters.offloads, counters.restores, counters.soft_resets
         snap.elapsed_s = time.perf_counter() - self._started
         return snap
-
-    def reset_clock(self) -> None:
-        """Start the throughput clock now (e.g. when the first request arrives)."""
-        self._started = time.perf_counter()

@@ -59,8 +59,7 @@ class DecodeKernel:
         self.functions = {dtype: getattr(library, name) for dtype, name in self._DTYPES.items()}
         for function in self.functions.values():
             function.restype = None
-        self.max_gd = library.paged_decode_max_gd()
-        self.max_gd = int(self.max_gd) if isinstance(self.max_gd, int) else 4096
+        self.max_gd = int(library.paged_decode_max_gd())  # restype set by the loader
 
     def supports(self, dtype: torch.dtype, group_dim: int) -> bool:
         return dtype in self.functions and group_dim <= self.max_gd

@@ -37,7 +37,7 @@ class KVShape:
         return self.bytes_per_token * page_size
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero tensor; on CPU backed by calloc so untouched pages cost no RAM."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -55,7 +55,7 @@ class KVStore:
         self.page_size = page_size
         self.device = device
         # [layers, 2, H_kv, num_blocks, page, D]
-        self.data = _zeros(
+        self.data = zeros(
             (shape.num_layers, 2, shape.num_kv_heads, num_blocks, page_size, shape.head_dim),
             shape.dtype,
             device,
@@ -64,15 +64,6 @@ class KVStore:
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pools of one layer, each [H_kv, num_blocks, page, D]."""
         return self.data[layer_idx, 0], self.data[layer_idx, 1]
-
-    def read_blocks(self, blocks: torch.Tensor, layers: list[int]) -> torch.Tensor:
-        """Copy of the given blocks in the given layers: [len(layers), 2, H_kv, n, page, D]."""
-        return self.data[layers][:, :, :, blocks]
-
-    def write_blocks(self, blocks: torch.Tensor, layers: list[int], pages: torch.Tensor) -> None:
-        """Inverse of read_blocks."""
-        for i, layer in enumerate(layers):
-            self.data[layer][:, :, blocks] = pages[i]
 
     @property
     def nbytes(self) -> int:

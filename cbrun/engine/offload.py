@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cbrun.engine.kv_cache import KVCacheManager
-from cbrun.engine.kv_store import KVStore
+from cbrun.engine.kv_store import KVStore, zeros
 from cbrun.engine.request import Request, RequestStatus
 
 
@@ -136,10 +136,12 @@ class SavedGroup:
 
 
 def _zeros_like_pool(store: KVStore, blocks: int) -> torch.Tensor:
+    """A CPU pool shaped like the store with `blocks` pages: pinned for GPU copies, else calloc-backed."""
     shape = list(store.data.shape)
     shape[3] = blocks
-    pin = store.device.type == "cuda"
-    return torch.zeros(shape, dtype=store.data.dtype, pin_memory=pin)
+    if store.device.type == "cuda":
+        return torch.zeros(shape, dtype=store.data.dtype, pin_memory=True)
+    return zeros(tuple(shape), store.data.dtype, torch.device("cpu"))
 
 
 def make_preemptor(cache: KVCacheManager, store: KVStore, offload_gib: float):
