@@ -5,10 +5,10 @@ import torch
 
 from cbrun.engine.attention import _decode
 from cbrun.engine.batch import DecodeLayout
-from cbrun.engine.cpu_kernels import load_decode_kernel
+from cbrun.engine.cpu_kernels import load_cpu_kernels
 
-kernel = load_decode_kernel()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler here: the torch path is used")
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
 
 
 def _layout(tables, kv_len, kv_lo, first_page, page):
@@ -16,8 +16,7 @@ def _layout(tables, kv_len, kv_lo, first_page, page):
     key_pos = first_page[:, None] * page + torch.arange(max_pages * page)[None, :]
     valid = (key_pos < kv_len[:, None]) & (key_pos >= kv_lo[:, None])
     bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, :]
-    return DecodeLayout(tables, kv_len, kv_lo, first_page, int((kv_len - kv_lo).max()),
-                        pages=tables.reshape(-1), bias=bias)
+    return DecodeLayout(tables, kv_len, kv_lo, first_page, pages=tables.reshape(-1), bias=bias)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -34,7 +33,69 @@ def test_kernel_matches_torch_decode(dtype, tol, window):
     layout = _layout(tables, kv_len, kv_lo, first_page, page)
     q = torch.randn(heads, 4, dim).to(dtype)  # [H, B, D]
     expected = _decode(q, k_pool, v_pool, layout, 0.3)
-    got = kernel(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, kv_len, kv_lo, first_page,
-                 layout.max_len, 0.3)
+    got = kernels.decode(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, kv_len, kv_lo, first_page, 0.3)
     assert got.dtype == dtype
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim,page", [(9, 3, 64, 16), (4, 1, 128, 128), (6, 6, 80, 64), (16, 2, 64, 256)])
+def test_kernel_long_contexts_cross_pages_and_segments(dtype, tol, heads, kv_heads, dim, page):
+    """Contexts of many pages and segments (the online softmax rescales), every head size path."""
+    torch.manual_seed(1)
+    lengths = torch.tensor([1, 63, 64, 65, 300, 1000])
+    max_pages = int((lengths.max() + page - 1) // page)
+    blocks = len(lengths) * max_pages + 3
+    k_pool = (torch.randn(kv_heads, blocks, page, dim) * 2).to(dtype)  # scaled: peaky softmax
+    v_pool = torch.randn(kv_heads, blocks, page, dim).to(dtype)
+    tables = torch.randperm(blocks)[: len(lengths) * max_pages].view(len(lengths), max_pages)
+    zeros = torch.zeros(len(lengths), dtype=torch.long)
+    layout = _layout(tables, lengths, zeros, zeros, page)
+    q = torch.randn(heads, len(lengths), dim).to(dtype)
+    expected = _decode(q, k_pool, v_pool, layout, dim ** -0.5)
+    got = kernels.decode(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, lengths, zeros, zeros, dim ** -0.5)
+    assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(dtype):
+    torch.manual_seed(2)
+    kv_heads, blocks, page, dim, tokens = 3, 10, 16, 64, 37
+    pool = torch.zeros(kv_heads, blocks, page, dim, dtype=dtype)
+    expected = pool.clone()
+    new = torch.randn(1, tokens, kv_heads, dim).to(dtype).transpose(1, 2)[0]  # [H_kv, T, D], as the model makes it
+    slots = torch.randperm(blocks * page)[:tokens]
+    kernels.write_kv(pool, new, slots)
+    expected.view(kv_heads, blocks * page, dim).index_copy_(1, slots, new)
+    assert torch.equal(pool, expected)
+
+
+def test_sampler_kernel_greedy_rows_and_normalizer():
+    torch.manual_seed(3)
+    logits = torch.randn(5, 1001) * 4
+    inv_temp = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.0 / 0.7])
+    token, normalizer = kernels.sample(logits, inv_temp, torch.full((5,), -1.0, dtype=torch.float64))
+    assert torch.equal(token, logits.argmax(dim=-1))
+    assert torch.allclose(normalizer, torch.logsumexp(logits * inv_temp[:, None], dim=-1), atol=1e-5, rtol=1e-6)
+
+
+def test_sampler_kernel_inverts_the_cdf():
+    """Sampled rows pick the first token whose cumulative probability exceeds the uniform."""
+    torch.manual_seed(4)
+    logits = torch.randn(64, 3001) * 3
+    inv_temp = torch.rand(64) + 0.5
+    uniform = torch.rand(64, dtype=torch.float64)
+    token, _ = kernels.sample(logits, inv_temp, uniform)
+    cdf = torch.softmax(logits.double() * inv_temp.double()[:, None], dim=-1).cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)[:, 0]
+    assert torch.equal(token, expected)
+
+
+def test_sampler_kernel_draws_follow_the_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -30.0]]).repeat(4000, 1)
+    uniform = (torch.arange(4000, dtype=torch.float64) + 0.5) / 4000  # evenly spread draws
+    token, _ = kernels.sample(logits, torch.ones(4000), uniform)
+    freq = torch.bincount(token, minlength=4).double() / 4000
+    probs = torch.softmax(logits[0].double(), dim=-1)
+    assert torch.allclose(freq, probs, atol=1e-3)
+    assert freq[3] == 0  # a token with ~1e-14 probability is never drawn from 4000 evenly spread numbers

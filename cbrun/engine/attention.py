@@ -31,7 +31,11 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     layer = module.layer_idx
     layout = batch.groups[batch.layer_groups[layer]]
     k_pool, v_pool = batch.store.layer(layer)  # each [H_kv, NB, page, D]
-    _write(k_pool, v_pool, key[0], value[0], layout.write_slots)
+    if batch.write_kernel is not None:
+        batch.write_kernel(k_pool, key[0], layout.write_slots)
+        batch.write_kernel(v_pool, value[0], layout.write_slots)
+    else:
+        _write(k_pool, v_pool, key[0], value[0], layout.write_slots)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     num_heads, num_tokens, head_dim = query.shape[1:]
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
@@ -40,7 +44,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         if batch.decode_kernel is not None:
             out[: batch.num_rows] = batch.decode_kernel(
                 q.transpose(0, 1).contiguous(), k_pool, v_pool, layout.decode.tables, layout.decode.kv_len,
-                layout.decode.kv_lo, layout.decode.first_page, layout.decode.max_len, scale)
+                layout.decode.kv_lo, layout.decode.first_page, scale)
         else:
             out[: batch.num_rows] = _decode(q, k_pool, v_pool, layout.decode, scale)
     for seq in layout.prefills:

@@ -59,7 +59,6 @@ class DecodeLayout:
     kv_len: torch.Tensor  # [B] keys visible at positions < kv_len ...
     kv_lo: torch.Tensor  # [B] ... and >= kv_lo (sliding window), else 0
     first_page: torch.Tensor  # [B] logical page of tables[:, 0]
-    max_len: int  # max(kv_len - kv_lo)
     pages: torch.Tensor | None = None  # [B * max_pages] (torch path)
     bias: torch.Tensor | None = None  # [B, 1, max_pages * page] 0 or -inf, fp32 (torch path)
 
@@ -77,7 +76,8 @@ class PagedBatch:
     groups: dict[str, GroupLayout]
     store: KVStore
     layer_groups: tuple[str, ...]  # attention type of each layer: "full" or "sliding"
-    decode_kernel: object | None = None  # compiled CPU decode kernel, when available
+    decode_kernel: object | None = None  # compiled CPU decode attention, when available
+    write_kernel: object | None = None  # compiled CPU K/V write, when available
 
     @property
     def num_tokens(self) -> int:
@@ -92,8 +92,9 @@ class BatchBuilder:
 
     def __init__(self, cache: KVCacheManager, store: KVStore, layer_groups: tuple[str, ...],
                  page_size: int, sliding_window: int | None, device: torch.device,
-                 decode_kernel=None) -> None:
+                 decode_kernel=None, write_kernel=None) -> None:
         self.decode_kernel = decode_kernel
+        self.write_kernel = write_kernel
         self.torch_decode = decode_kernel is None  # build the gather/bias form for the torch path
         self.cache = cache
         self.store = store
@@ -130,6 +131,7 @@ class BatchBuilder:
             store=self.store,
             layer_groups=self.layer_groups,
             decode_kernel=self.decode_kernel,
+            write_kernel=self.write_kernel,
         )
 
     # -- per attention type -------------------------------------------------
@@ -171,7 +173,6 @@ class BatchBuilder:
             kv_len=torch.tensor(lengths, **as_long),
             kv_lo=torch.tensor(lows, **as_long),
             first_page=torch.tensor(firsts, **as_long),
-            max_len=max(n - lo for n, lo in zip(lengths, lows)),
         )
         if self.torch_decode:
             offsets = torch.arange(max_pages * page, **as_long)  # [L]

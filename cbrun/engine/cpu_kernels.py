@@ -1,11 +1,16 @@
-"""Optional compiled CPU kernel for paged decode attention, built once per machine.
+"""Optional compiled CPU kernels for the hot path, built once per machine.
 
-The kernel reads keys and values in place from the page pool, where the
-pure-torch path first gathers every sequence's pages into a padded copy
-(about three times the memory traffic). It is plain C with OpenMP, built
-with the local C compiler in a second or two into the user cache and called
-through ctypes. Without a compiler, or with CBRUN_KERNELS=torch, the engine
-uses the torch path, which computes the same attention.
+- Decode attention reads keys and values in place from the page pool, in one
+  pass with an online softmax; the torch path first gathers every row's
+  pages into a padded copy (about three times the memory traffic).
+- K/V writes copy each new token's rows straight to its slot.
+- Sampling computes argmax, log-sum-exp and the inverse-CDF draw of each
+  logits row in one parallel pass, where torch needs several full passes.
+
+It is plain C with OpenMP and vector extensions, built with the local C
+compiler in a second or two into the user cache and called through ctypes.
+Without a compiler, or with CBRUN_KERNELS=torch, the engine uses the torch
+paths, which compute the same results (and are the reference in tests).
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ import torch
 
 log = logging.getLogger("cbrun.engine")
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
-_kernel: "DecodeKernel | None" = None
+_kernel: "CpuKernels | None" = None
 _tried = False
 
 
@@ -50,43 +55,77 @@ def _compile(source: Path, target: Path) -> None:
         os.replace(built, target)  # atomic: concurrent builders never see half a file
 
 
-class DecodeKernel:
-    """ctypes binding of paged_decode_{f32,bf16}."""
+class CpuKernels:
+    """ctypes bindings of the compiled kernels: paged decode attention, K/V writes and sampling."""
 
-    _DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+    _DECODE = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+    MAX_GROUP = 64  # query heads per kv head (MAX_G in the C source)
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.functions = {dtype: getattr(library, name) for dtype, name in self._DTYPES.items()}
-        for function in self.functions.values():
+        self.decode_functions = {dtype: getattr(library, name) for dtype, name in self._DECODE.items()}
+        self.write_function = library.paged_write
+        self.sample_function = library.sample_rows_f32
+        for function in (*self.decode_functions.values(), self.write_function, self.sample_function):
             function.restype = None
         self.max_gd = int(library.paged_decode_max_gd())  # restype set by the loader
 
-    def supports(self, dtype: torch.dtype, group_dim: int) -> bool:
-        return dtype in self.functions and group_dim <= self.max_gd
+    def supports_decode(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+        return (dtype in self.decode_functions and head_dim % 8 == 0 and group <= self.MAX_GROUP
+                and group * head_dim <= self.max_gd)
 
-    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                 kv_len: torch.Tensor, kv_lo: torch.Tensor, first_page: torch.Tensor, max_len: int,
-                 scale: float) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+               kv_len: torch.Tensor, kv_lo: torch.Tensor, first_page: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, H, D] contiguous; pools [H_kv, NB, P, D]; returns [B, H, D]."""
         batch, heads, dim = q.shape
         num_kv, num_blocks, page, _ = k_pool.shape
-        threads = torch.get_num_threads()
         out = torch.empty_like(q)
-        scratch = torch.empty(threads * (heads // num_kv) * max(max_len, 1), dtype=torch.float32)
-        pointer = ctypes.c_void_p
-        i64 = ctypes.c_int64
-        self.functions[q.dtype](
-            pointer(q.data_ptr()), pointer(k_pool.data_ptr()), pointer(v_pool.data_ptr()),
-            pointer(tables.data_ptr()), pointer(kv_len.data_ptr()), pointer(kv_lo.data_ptr()),
-            pointer(first_page.data_ptr()), pointer(out.data_ptr()), pointer(scratch.data_ptr()),
-            i64(batch), i64(heads), i64(dim), i64(num_kv), i64(num_blocks), i64(page), i64(tables.shape[1]),
-            i64(max_len), ctypes.c_float(scale), ctypes.c_int(threads),
+        self.decode_functions[q.dtype](
+            _ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(tables), _ptr(kv_len), _ptr(kv_lo), _ptr(first_page),
+            _ptr(out), _i64(batch), _i64(heads), _i64(dim), _i64(num_kv), _i64(num_blocks), _i64(page),
+            _i64(tables.shape[1]), ctypes.c_float(scale), ctypes.c_int(torch.get_num_threads()),
         )
         return out
 
+    def write_kv(self, pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy `new` [H_kv, T, D] (unit stride along D) into `pool` [H_kv, NB, P, D] at flat `slots` [T]."""
+        num_kv, num_blocks, page, dim = pool.shape
+        if new.stride(-1) != 1 or new.dtype != pool.dtype or not pool.is_contiguous():  # unusual layouts: torch
+            pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, new.to(pool.dtype))
+            return
+        self.write_function(
+            _ptr(pool), _ptr(new), _ptr(slots), _i64(new.shape[1]), _i64(num_kv), _i64(dim),
+            _i64(num_blocks * page), _i64(new.stride(0)), _i64(new.stride(1)), _i64(pool.element_size()),
+        )
 
-def load_decode_kernel() -> DecodeKernel | None:
-    """The compiled kernel, or None when it cannot be built or is switched off."""
+    def sample(self, logits: torch.Tensor, inv_temp: torch.Tensor,
+               uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of fp32 `logits` [N, V]: (token [N] int64, logsumexp(logits * inv_temp) [N] fp32).
+
+        Rows with a negative `uniform` (float64) take the argmax; the others
+        draw from softmax(logits * inv_temp) by inverting the CDF at their number.
+        """
+        rows, vocab = logits.shape
+        threads = torch.get_num_threads()
+        token = torch.empty(rows, dtype=torch.int64)
+        normalizer = torch.empty(rows, dtype=torch.float32)
+        scratch = torch.empty(threads * vocab, dtype=torch.float32)
+        self.sample_function(
+            _ptr(logits), _i64(rows), _i64(vocab), _i64(logits.stride(0)), _ptr(inv_temp), _ptr(uniform),
+            _ptr(token), _ptr(normalizer), _ptr(scratch), ctypes.c_int(threads),
+        )
+        return token, normalizer
+
+
+def _ptr(tensor: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(tensor.data_ptr())
+
+
+def _i64(value: int) -> ctypes.c_int64:
+    return ctypes.c_int64(value)
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, or None when it cannot be built or is switched off."""
     global _kernel, _tried
     if os.environ.get("CBRUN_KERNELS", "").lower() == "torch":
         return None
@@ -97,13 +136,13 @@ def load_decode_kernel() -> DecodeKernel | None:
         try:
             source = _SOURCE.read_bytes()
             digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + sys.platform.encode()).hexdigest()[:16]
-            target = _cache_root() / f"paged_decode-{digest}.so"
+            target = _cache_root() / f"cbrun_cpu-{digest}.so"
             if not target.exists():
                 _compile(_SOURCE, target)
             library = ctypes.CDLL(str(target))
             library.paged_decode_max_gd.restype = ctypes.c_int64
-            _kernel = DecodeKernel(library)
+            _kernel = CpuKernels(library)
         except Exception as exc:  # no compiler, failed build, unsupported platform
             detail = getattr(exc, "stderr", "") or exc
-            log.warning("compiled CPU attention kernel unavailable (%s); using the torch path", detail)
+            log.warning("compiled CPU kernels unavailable (%s); using the torch paths", detail)
         return _kernel
