@@ -16,7 +16,7 @@ import torch
 from cbrun.engine.attention import register as register_attention
 from cbrun.engine.batch import BatchBuilder
 from cbrun.engine.config import EngineConfig, StatsSnapshot
-from cbrun.engine.cpu_kernels import load_decode_kernel
+from cbrun.engine.cpu_kernels import load_cpu_kernels
 from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
@@ -68,8 +68,10 @@ class EngineCore:
         self.store = KVStore(self.spec.kv, num_blocks, config.page_size, self.device)
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
+        self.kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
-                                    self.spec.sliding_window, self.device, self._decode_kernel())
+                                    self.spec.sliding_window, self.device, self._decode_kernel(),
+                                    self.kernels.write_kv if self.kernels is not None else None)
         self.runner = ModelRunner(model)
         self.detok = Detokenizer(tokenizer)
         self._stats = StatsSnapshot(blocks_total=num_blocks)
@@ -79,12 +81,11 @@ class EngineCore:
 
     def _decode_kernel(self):
         """The compiled CPU decode kernel when it applies to this model, else None (torch path)."""
-        if self.device.type != "cpu":
+        if self.kernels is None:
             return None
-        kernel = load_decode_kernel()
         kv = self.spec.kv
-        group_dim = self.model.config.num_attention_heads // kv.num_kv_heads * kv.head_dim
-        return kernel if kernel is not None and kernel.supports(kv.dtype, group_dim) else None
+        group = self.model.config.num_attention_heads // kv.num_kv_heads
+        return self.kernels.decode if self.kernels.supports_decode(kv.dtype, group, kv.head_dim) else None
 
     # -- requests ---------------------------------------------------------
     def validate(self, prompt_ids: list[int], max_tokens: int) -> str | None:
@@ -134,7 +135,7 @@ class EngineCore:
         batch = self.builder.build(batch_plan.items)
         try:
             logits = self.runner.forward(batch)  # [N, V]
-            picked = sample(logits, batch.sampled) if batch.sampled else None
+            picked = sample(logits, batch.sampled, self.kernels) if batch.sampled else None
         except Exception as exc:  # a failing forward fails its batch, not the engine
             log.exception("forward failed")
             for request, _ in batch_plan.items:

@@ -43,14 +43,18 @@ class Sampled:
     top: list[list[tuple[int, float]]] | None
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> Sampled:
+def sample(logits: torch.Tensor, requests: list[Request], kernels=None) -> Sampled:
     """Choose one token per row of `logits` ([N, V]) for the matching request.
 
-    Full-vocabulary passes are kept few: greedy rows need an argmax and a
-    logsumexp; sampled rows add one exp and one cumsum (plus a sort only
-    when a request uses top-p).
+    With the compiled CPU kernels, argmax, log-sum-exp and plain temperature
+    draws take one parallel pass per row; rows with top-k / top-p / min-p
+    filters then go through the torch filters. Without them, full-vocabulary
+    torch passes are kept few: greedy rows need an argmax and a logsumexp;
+    sampled rows add one exp and one cumsum (plus a sort only for top-p).
     """
     logits = logits.float()  # [N, V]
+    if kernels is not None and logits.device.type == "cpu":
+        return _sample_with_kernel(logits.contiguous(), requests, kernels)
     params = [r.sampling for r in requests]
     if any(p.temperature not in (0, 1) for p in params):
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
@@ -64,6 +68,29 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> Sampled:
         chosen[rows] = _sample_rows(row_logprobs, [requests[i] for i in random_rows])
     token_logprobs = (logits.gather(1, chosen[:, None]) - normalizer)[:, 0]  # [N]
     top = _top_alternatives(logits, normalizer, params)
+    return Sampled(chosen.tolist(), token_logprobs.tolist(), top)
+
+
+def _filtered(params) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
+
+
+def _sample_with_kernel(logits: torch.Tensor, requests: list[Request], kernels) -> Sampled:
+    params = [r.sampling for r in requests]
+    inv_temp = torch.tensor([1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
+    uniform = torch.tensor([  # [N] float64; -1 = argmax (greedy, or drawn below after filtering)
+        -1.0 if p.greedy or _filtered(p) else uniform_for(r.seed, r.sample_index, r.num_tokens)
+        for r, p in zip(requests, params)], dtype=torch.float64)
+    chosen, normalizer = kernels.sample(logits, inv_temp, uniform)  # [N], [N]
+    filtered_rows = [i for i, p in enumerate(params) if not p.greedy and _filtered(p)]
+    if filtered_rows:
+        rows = torch.tensor(filtered_rows)
+        row_logprobs = logits[rows] * inv_temp[rows, None] - normalizer[rows, None]  # [n, V]
+        chosen[rows] = _sample_rows(row_logprobs, [requests[i] for i in filtered_rows])
+    token_logprobs = logits.gather(1, chosen[:, None])[:, 0] * inv_temp - normalizer  # [N]
+    top = None
+    if any(p.top_logprobs for p in params):
+        top = _top_alternatives(logits * inv_temp[:, None], normalizer[:, None], params)
     return Sampled(chosen.tolist(), token_logprobs.tolist(), top)
 
 
