@@ -27,9 +27,10 @@ def _check(condition: bool, message: str) -> None:
 class EngineConfig:
     """Knobs fixed for an engine's lifetime.
 
-    page_size: tokens of K and V one cache page holds per layer. 64 is the
-        CPU default: small enough to waste little on short requests, large
-        enough that block tables stay short (measured; see README).
+    page_size: tokens of K and V one cache page holds per layer. 16 by
+        default: prefix caching shares whole pages, so short shared prompts
+        (chat templates, repeated questions) only hit with small pages, and
+        the CPU decode kernel runs as fast at 16 as at 64 (measured; see README).
     num_blocks: pages in the pool; None sizes the pool from free memory
         (`max_memory_percent` of available RAM on CPU, of free memory on GPU).
     max_batch_tokens: query tokens per forward pass (the token budget).
@@ -45,7 +46,7 @@ class EngineConfig:
         `num_blocks` is None.
     """
 
-    page_size: int = 64
+    page_size: int = 16
     num_blocks: int | None = None
     max_batch_tokens: int = 1024
     max_requests_per_batch: int = 256

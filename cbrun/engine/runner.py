@@ -3,14 +3,25 @@
 The model is a stock transformers causal LM whose attention implementation
 was switched to ours; each call passes flat `(1, T)` inputs, explicit
 positions, no cache object, and the step's `PagedBatch` as one kwarg.
+
+For a plain linear output head the runner projects the sampled rows itself,
+so on CPU the projection can use oneDNN: at this shape (a few dozen rows
+against a vocabulary-sized weight) it runs about 1.5x faster than the
+default fp32 GEMM, and the head is a quarter of a small model's decode FLOPs.
+Heads that post-process logits (soft-capping, scaling) go through the
+model's own forward.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from cbrun.engine.attention import BATCH_KWARG
 from cbrun.engine.batch import PagedBatch
+
+# config attributes by which a causal LM transforms logits after its head
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 class ModelRunner:
@@ -19,6 +30,8 @@ class ModelRunner:
     def __init__(self, model) -> None:
         self.model = model
         self.keeps_logits = bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
+        self.head = _plain_head(model)
+        self.project = _onednn_project if self.head is not None and _onednn_applies(self.head) else _torch_project
 
     @torch.inference_mode()
     def forward(self, batch: PagedBatch) -> torch.Tensor:
@@ -32,9 +45,35 @@ class ModelRunner:
         if not len(batch.logits_indices):
             self.model.model(**kwargs)  # chunk-only step: fill the cache, no logits
             return torch.empty(0)
-        if self.keeps_logits:
+        if self.head is None and self.keeps_logits:
             logits = self.model(**kwargs, logits_to_keep=batch.logits_indices).logits  # [1, N, V]
             return logits[0].float()
         hidden = self.model.model(**kwargs).last_hidden_state  # [1, T, hidden]
         rows = hidden[0].index_select(0, batch.logits_indices)  # [N, hidden]
-        return self.model.lm_head(rows).float()
+        if self.head is None:
+            return self.model.lm_head(rows).float()
+        return self.project(rows, self.head.weight, self.head.bias).float()
+
+
+def _plain_head(model) -> torch.nn.Linear | None:
+    """The model's output head when logits are exactly `lm_head(hidden)`, else None."""
+    head = getattr(model, "lm_head", None)
+    config = model.config
+    configs = (config, getattr(config, "text_config", None))
+    transforms = any(getattr(c, name, None) not in (None, 1, 1.0) for c in configs if c is not None
+                     for name in _LOGIT_TRANSFORMS)
+    return head if type(head) is torch.nn.Linear and not transforms else None
+
+
+def _onednn_applies(head: torch.nn.Linear) -> bool:
+    return (head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _torch_project(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(rows, weight, bias)
+
+
+def _onednn_project(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [N, hidden] @ weight[V, hidden]^T through oneDNN (same result as F.linear up to rounding)."""
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
