@@ -99,3 +99,33 @@ def test_sampler_kernel_draws_follow_the_distribution():
     probs = torch.softmax(logits[0].double(), dim=-1)
     assert torch.allclose(freq, probs, atol=1e-3)
     assert freq[3] == 0  # a token with ~1e-14 probability is never drawn from 4000 evenly spread numbers
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("out_features,in_features", [(1, 8), (5, 13), (6, 576), (13, 40), (192, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_kernel_matches_f_linear(rows, out_features, in_features, with_bias):
+    """Every tile remainder (rows % 2, features % 6), a K tail (K % 8), bias, and a strided input."""
+    torch.manual_seed(5)
+    wide = torch.randn(rows, in_features + 3)
+    x = wide[:, :in_features]  # row stride != K
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    got = kernels.linear(x, weight, bias)
+    assert torch.allclose(got, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_small_batch_linears_install_and_uninstall():
+    from cbrun.engine.cpu_linear import MAX_KERNEL_ROWS, install_small_batch_linears, uninstall
+
+    torch.manual_seed(6)
+    decoder = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8, bias=False))
+    small, large = torch.randn(1, 5, 16), torch.randn(1, MAX_KERNEL_ROWS + 1, 16)
+    with torch.no_grad():
+        expected_small, expected_large = decoder(small), decoder(large)
+        patched = install_small_batch_linears(decoder, kernels)
+        assert len(patched) == 2 and all("forward" in m.__dict__ for m in patched)
+        assert torch.allclose(decoder(small), expected_small, atol=1e-5)
+        assert torch.equal(decoder(large), expected_large)  # large batches stay on F.linear
+        uninstall(patched)
+    assert not any("forward" in m.__dict__ for m in patched)

@@ -17,6 +17,7 @@ from cbrun.engine.attention import register as register_attention
 from cbrun.engine.batch import BatchBuilder
 from cbrun.engine.config import EngineConfig, StatsSnapshot
 from cbrun.engine.cpu_kernels import load_cpu_kernels
+from cbrun.engine.cpu_linear import install_small_batch_linears, uninstall
 from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
@@ -69,15 +70,21 @@ class EngineCore:
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
         self.kernels = load_cpu_kernels() if self.device.type == "cpu" else None
+        self.fast_linears = install_small_batch_linears(model.model, self.kernels) if self.kernels else []
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
                                     self.spec.sliding_window, self.device, self._decode_kernel(),
                                     self.kernels.write_kv if self.kernels is not None else None)
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, self.kernels)
         self.detok = Detokenizer(tokenizer)
         self._stats = StatsSnapshot(blocks_total=num_blocks)
         self._started = time.perf_counter()
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, config.page_size,
                  self.store.nbytes / 2**30, self.spec.kv.dtype)
+
+    def close(self) -> None:
+        """Give the model back as it came, apart from its attention implementation."""
+        uninstall(self.fast_linears)
+        self.fast_linears = []
 
     def _decode_kernel(self):
         """The compiled CPU decode kernel when it applies to this model, else None (torch path)."""

@@ -65,7 +65,9 @@ class CpuKernels:
         self.decode_functions = {dtype: getattr(library, name) for dtype, name in self._DECODE.items()}
         self.write_function = library.paged_write
         self.sample_function = library.sample_rows_f32
-        for function in (*self.decode_functions.values(), self.write_function, self.sample_function):
+        self.linear_function = library.linear_f32
+        for function in (*self.decode_functions.values(), self.write_function, self.sample_function,
+                         self.linear_function):
             function.restype = None
         self.max_gd = int(library.paged_decode_max_gd())  # restype set by the loader
 
@@ -114,6 +116,19 @@ class CpuKernels:
             _ptr(token), _ptr(normalizer), _ptr(scratch), ctypes.c_int(threads),
         )
         return token, normalizer
+
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], reading the weight in place (no repacking)."""
+        rows, inner = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        self.linear_function(
+            _ptr(x), _i64(x.stride(0)), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(out),
+            _i64(rows), _i64(weight.shape[0]), _i64(inner), ctypes.c_int(torch.get_num_threads()),
+        )
+        return out
 
 
 def _ptr(tensor: torch.Tensor) -> ctypes.c_void_p:

@@ -259,6 +259,7 @@ class Engine:
         with self._lock, self._inbox_cond:
             self._closed = True
             self.core.store.data = None
+            self.core.close()
 
     def __enter__(self) -> "Engine":
         return self
