@@ -13,17 +13,20 @@
  *      out        [B, H, D]
  *
  *    Work is split over (row, kv head) pairs. Each streams its keys and values
- *    once, in segments that never cross a page, with an online softmax over
- *    its G = H / H_kv query heads (flash-decoding style): scores of a segment,
- *    rescale of the running sum and accumulator, then the weighted values.
- *    Decode attention is bound by memory bandwidth, so the aim is one pass
- *    over the pages at full vector width, with fp32 accumulation throughout.
+ *    once, in chunks of up to 64 keys (spanning pages when pages are small),
+ *    with an online softmax over its G = H / H_kv query heads (flash-decoding
+ *    style): scores of a chunk, 8 keys per transposing reduction, one rescale
+ *    of the running sum and accumulator, then the weighted values. The aim is
+ *    one pass over the pages at full vector width, with fp32 accumulation;
+ *    the next chunk is prefetched while one computes.
  *
  * 2. paged_write: store new tokens' K/V rows at their flat slots (any element size).
  *
  * 3. sample_rows_f32: per logits row, in one parallel pass over the vocabulary:
  *    max, argmax, log-sum-exp at the row's temperature, and (for sampled rows)
  *    the inverse-CDF draw for a given uniform number.
+ *
+ * 4. linear_f32: small-batch fp32 linear layers that read weights in place.
  *
  * Written with GCC/Clang vector extensions, so the compiler emits AVX2,
  * AVX-512 or NEON as the build machine allows (-march=native). Plain C with
@@ -93,6 +96,25 @@ static inline float max_of(v8f x) {
   return m;
 }
 
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* [sum(a[0]), ..., sum(a[7])]: pairwise lane sums, 7 shuffle pairs for 8 vectors */
+static inline v8f reduce8(const v8f* a) {
+  v8f s[4];
+  for (int i = 0; i < 4; ++i) /* [x01, y01, x23, y23, x45, y45, x67, y67] of x = a[2i], y = a[2i+1] */
+    s[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           SHUFFLE(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  v8f u[2];
+  for (int i = 0; i < 2; ++i) /* sums of lane quarters: [w0..w3 low halves, w0..w3 high halves] */
+    u[i] = SHUFFLE(s[2 * i], s[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           SHUFFLE(s[2 * i], s[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return SHUFFLE(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 /* Type-dependent pieces: a dot product with a key row, value rows added into
  * accumulators, and the output store. C = D / 8 vectors per head row. */
 #define DEFINE_ROW_OPS(SUFFIX, T, LOADV)                                                               \
@@ -106,11 +128,21 @@ static inline float max_of(v8f x) {
     if (c < C) a0 += q[c] * LOADV(key + c * 8);                                                        \
     return hsum(a0 + a1);                                                                              \
   }                                                                                                    \
-  /* acc[C] = acc * correction + sum_j w[j] * values[j] */                                             \
-  static inline void accumulate_##SUFFIX(v8f* restrict acc, float correction, const float* w,           \
-                                         const T* values, int64_t n, int64_t C) {                      \
+  /* scores of 8 consecutive keys: 8 independent FMA chains, one transposing reduction */               \
+  static inline v8f dot8_##SUFFIX(const v8f* q, const T* keys, int64_t C) {                            \
+    v8f a[8];                                                                                          \
+    for (int j = 0; j < 8; ++j) a[j] = splat(0.f);                                                     \
+    for (int64_t c = 0; c < C; ++c) {                                                                  \
+      const v8f qc = q[c];                                                                             \
+      for (int j = 0; j < 8; ++j) a[j] += qc * LOADV(keys + j * C * 8 + c * 8);                        \
+    }                                                                                                  \
+    return reduce8(a);                                                                                 \
+  }                                                                                                    \
+  /* acc[C] += sum_j w[j] * values[j] */                                                                \
+  static inline void accumulate_##SUFFIX(v8f* restrict acc, const float* w, const T* values, int64_t n,  \
+                                         int64_t C) {                                                  \
     v8f a[MAX_GD / 8];                                                                                 \
-    for (int64_t c = 0; c < C; ++c) a[c] = acc[c] * splat(correction);                                 \
+    for (int64_t c = 0; c < C; ++c) a[c] = acc[c];                                                     \
     for (int64_t j = 0; j < n; ++j) {                                                                  \
       const v8f weight = splat(w[j]);                                                                  \
       const T* row = values + j * C * 8;                                                               \
@@ -122,11 +154,20 @@ static inline float max_of(v8f x) {
 DEFINE_ROW_OPS(f32, float, load_f32)
 DEFINE_ROW_OPS(bf16, uint16_t, load_bf16)
 
-/* Prefetch `bytes` from two places into L2, one cache line at a time. */
-static inline void prefetch_rows(const void* a, const void* b, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) {
-    __builtin_prefetch((const char*)a + off, 0, 2);
-    __builtin_prefetch((const char*)b + off, 0, 2);
+/* Prefetch into L2 the key and value rows of the chunk of up to SEG keys at
+ * position `start` (rows of `row_bytes`; pages of P rows found through `table`). */
+static inline void prefetch_chunk(const void* k, const void* v, const int64_t* table, int64_t first,
+                                  int64_t start, int64_t hi, int64_t P, int64_t row_bytes) {
+  const int64_t end = hi - start < SEG ? hi : start + SEG;
+  for (int64_t pos = start; pos < end;) {
+    const int64_t in_page = pos % P;
+    const int64_t cnt = P - in_page < end - pos ? P - in_page : end - pos;
+    const int64_t offset = (table[pos / P - first] * P + in_page) * row_bytes;
+    for (int64_t off = 0; off < cnt * row_bytes; off += 64) {
+      __builtin_prefetch((const char*)k + offset + off, 0, 2);
+      __builtin_prefetch((const char*)v + offset + off, 0, 2);
+    }
+    pos += cnt;
   }
 }
 
@@ -166,21 +207,32 @@ static inline float online_softmax(float* s, int64_t n, float* m, float* l) {
       acc[i] = splat(0.f);                                                                               \
     }                                                                                                    \
     for (int64_t g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }                                    \
+    /* chunks of up to SEG keys, which may span several pages; each chunk is    \
+     * scored page piece by page piece, then one softmax update, then values */ \
     for (int64_t start = lo; start < hi;) {                                                              \
-      const int64_t in_page = start % P;                                                                 \
-      int64_t n = P - in_page;                                                                           \
-      if (n > SEG) n = SEG;                                                                              \
-      if (n > hi - start) n = hi - start;                                                                \
-      const int64_t base = (table[start / P - first] * P + in_page) * D;                                 \
-      if (start + n < hi) { /* pull the next segment towards the core while this one computes */          \
-        const int64_t next = start + n;                                                                  \
-        const int64_t next_base = (table[next / P - first] * P + next % P) * D;                         \
-        prefetch_rows(k + next_base, v + next_base, SEG * D * (int64_t)sizeof(T));                       \
-      }                                                                                                  \
-      for (int64_t g = 0; g < G; ++g) { /* later heads find the segment in L1 */                          \
-        for (int64_t j = 0; j < n; ++j) scores[j] = dot_##SUFFIX(qf + g * C, k + base + j * D, C);        \
+      const int64_t n = hi - start < SEG ? hi - start : SEG;                                             \
+      if (start + n < hi) prefetch_chunk(k, v, table, first, start + n, hi, P, D * (int64_t)sizeof(T));  \
+      for (int64_t g = 0; g < G; ++g) { /* later heads find the chunk in L1/L2 */                        \
+        for (int64_t pos = start; pos < start + n;) {                                                    \
+          const int64_t in_page = pos % P;                                                               \
+          const int64_t cnt = P - in_page < start + n - pos ? P - in_page : start + n - pos;             \
+          const T* keys = k + (table[pos / P - first] * P + in_page) * D;                                \
+          float* s = scores + (pos - start);                                                             \
+          int64_t j = 0;                                                                                 \
+          for (; j + 8 <= cnt; j += 8) store_f32(s + j, dot8_##SUFFIX(qf + g * C, keys + j * D, C));     \
+          for (; j < cnt; ++j) s[j] = dot_##SUFFIX(qf + g * C, keys + j * D, C);                         \
+          pos += cnt;                                                                                    \
+        }                                                                                                \
         const float correction = online_softmax(scores, n, m + g, l + g);                                \
-        accumulate_##SUFFIX(acc + g * C, correction, scores, v + base, n, C);                            \
+        if (correction != 1.f)                                                                           \
+          for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= splat(correction);                           \
+        for (int64_t pos = start; pos < start + n;) {                                                    \
+          const int64_t in_page = pos % P;                                                               \
+          const int64_t cnt = P - in_page < start + n - pos ? P - in_page : start + n - pos;             \
+          const T* vals = v + (table[pos / P - first] * P + in_page) * D;                                \
+          accumulate_##SUFFIX(acc + g * C, scores + (pos - start), vals, cnt, C);                        \
+          pos += cnt;                                                                                    \
+        }                                                                                                \
       }                                                                                                  \
       start += n;                                                                                        \
     }                                                                                                    \
