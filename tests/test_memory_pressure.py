@@ -181,3 +181,32 @@ def test_cache_is_sized_from_free_memory_when_not_given(llama, caplog):
             out = engine.generate_batch([[1, 2, 3]], SamplingParams(max_tokens=2))[0]
     assert blocks > 16 and out.error is None
     assert any("cache sizing" in r.getMessage() for r in caplog.records)
+
+
+def test_pool_reuses_cached_blocks_before_touching_new_memory():
+    """Warm never-used blocks first, then the LRU cached block, and fresh memory only when nothing else is free."""
+    pool = BlockPool(10)
+    first = pool.allocate(3)
+    assert first == [0, 1, 2] and pool.touched == 3
+    for block in first:
+        pool.register(block, bytes([block]), [block])
+    pool.release(first[::-1])  # all three cached, LRU order 2, 1, 0
+    assert pool.allocate(2) == [2, 1]  # evicts cached blocks instead of touching block 3
+    assert pool.touched == 3 and pool.evictions == 2
+    assert pool.allocate(2) == [0, 3]  # the last cached block, then new memory
+    assert pool.touched == 4
+    pool.release([3])  # unhashed: back on the never-used stack, warm now
+    assert pool.allocate(1) == [3]
+
+
+def test_prefaulted_blocks_count_as_warm(llama):
+    model, tokenizer = llama
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=64, prefault_blocks=20))
+    try:
+        assert engine.core.cache.pool.touched == 20
+        outputs = engine.generate_batch([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
+        assert outputs[0].ok
+    finally:
+        engine.destroy()
+    with pytest.raises(Exception, match="prefault_blocks"):
+        EngineConfig(prefault_blocks=-1)

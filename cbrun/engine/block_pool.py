@@ -39,6 +39,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_count = [0] * num_blocks
         self._uninitialized: list[int] = list(range(num_blocks - 1, -1, -1))  # LIFO: reuse warm pages first
+        # Blocks [0, touched) have been handed out (or prefaulted) before: their memory is
+        # resident. Fresh blocks are taken in id order, so this one number tracks it.
+        self.touched = 0
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: first = evict first
         self._hash_of: dict[int, bytes] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
@@ -66,15 +69,28 @@ class BlockPool:
             return None
         blocks = []
         for _ in range(count):
-            if self._uninitialized:
-                block = self._uninitialized.pop()
-            else:
-                block, _ = self._cached.popitem(last=False)
-                self._forget(block)
-                self.evictions += 1
+            block = self._take_one()
             self.ref_count[block] = 1
             blocks.append(block)
         return blocks
+
+    def _take_one(self) -> int:
+        """A free block: warm never-used memory first, then the least recently used cached block,
+        and only then memory never touched.
+
+        Touching new memory costs page faults (on the VMs measured, ~5 ms per MiB)
+        and grows resident memory for good, so the pool's footprint follows the
+        working set instead of the run's history; cached prefixes stay until
+        their blocks are needed.
+        """
+        if self._uninitialized and (self._uninitialized[-1] < self.touched or not self._cached):
+            block = self._uninitialized.pop()
+            self.touched = max(self.touched, block + 1)
+            return block
+        block, _ = self._cached.popitem(last=False)
+        self._forget(block)
+        self.evictions += 1
+        return block
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching zero become free.

@@ -44,6 +44,10 @@ class EngineConfig:
         0 disables offloading (preemption then recomputes: soft reset).
     max_memory_percent: share of available memory the cache may take when
         `num_blocks` is None.
+    prefault_blocks: cache blocks whose memory is touched at start, so the
+        first requests do not pay page faults mid-run (what preallocating
+        engines pay at start-up). 0: the pool stays lazy; its resident memory
+        follows the working set.
     """
 
     page_size: int = 16
@@ -55,6 +59,7 @@ class EngineConfig:
     allow_block_sharing: bool = True
     cpu_offload_space: float = 0.0
     max_memory_percent: float = 0.5
+    prefault_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 4, f"page_size must be at least 4, got {self.page_size}")
@@ -62,6 +67,7 @@ class EngineConfig:
             self.num_blocks is None or self.num_blocks >= 1,
             f"num_blocks must be at least 1, got {self.num_blocks}",
         )
+        _check(self.prefault_blocks >= 0, f"prefault_blocks must be >= 0, got {self.prefault_blocks}")
         _check(self.max_batch_tokens >= 1, f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         _check(
             self.max_requests_per_batch >= 1,

@@ -67,6 +67,10 @@ class EngineCore:
         if config.allow_block_sharing and not self.cache.sharing:
             log.info("prefix caching is off: the model has sliding-window layers")
         self.store = KVStore(self.spec.kv, num_blocks, config.page_size, self.device)
+        if config.prefault_blocks:
+            prefault = min(config.prefault_blocks, num_blocks)
+            self.store.prefault(prefault)
+            self.cache.pool.touched = prefault
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
         self.kernels = load_cpu_kernels() if self.device.type == "cpu" else None
