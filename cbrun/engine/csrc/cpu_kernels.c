@@ -358,6 +358,14 @@ void sample_rows_f32(const float* logits, int64_t N, int64_t V, int64_t row_stri
 #define LIN_NR 6
 #endif
 
+/* Load a weight vector once into a register for all MR rows: left alone, compilers fold
+ * the load into every FMA, which doubles the loads and makes the loop load-bound. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define KEEP_IN_REGISTER(v) ((void)0)
+#endif
+
 static inline __attribute__((always_inline)) void linear_tile(const float* x, int64_t ldx, const float* w,
                                                               int64_t K, float* y, int64_t ldy, int mr, int nr) {
   v8f acc[LIN_MR][LIN_NR];
@@ -368,7 +376,8 @@ static inline __attribute__((always_inline)) void linear_tile(const float* x, in
     v8f xv[LIN_MR];
     for (int i = 0; i < mr; ++i) xv[i] = load_f32(x + i * ldx + k);
     for (int j = 0; j < nr; ++j) {
-      const v8f wv = load_f32(w + j * K + k);
+      v8f wv = load_f32(w + j * K + k);
+      KEEP_IN_REGISTER(wv);
       for (int i = 0; i < mr; ++i) acc[i][j] += xv[i] * wv;
     }
   }
