@@ -6,6 +6,8 @@
 - K/V writes copy each new token's rows straight to its slot.
 - Sampling computes argmax, log-sum-exp and the inverse-CDF draw of each
   logits row in one parallel pass, where torch needs several full passes.
+- Linear layers with few rows (fp32) read their weights in place, where BLAS
+  repacks them on every call (see cpu_linear.py).
 
 It is plain C with OpenMP and vector extensions, built with the local C
 compiler in a second or two into the user cache and called through ctypes.
@@ -56,7 +58,7 @@ def _compile(source: Path, target: Path) -> None:
 
 
 class CpuKernels:
-    """ctypes bindings of the compiled kernels: paged decode attention, K/V writes and sampling."""
+    """ctypes bindings of the compiled kernels: paged decode attention, K/V writes, sampling, linear."""
 
     _DECODE = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
     MAX_GROUP = 64  # query heads per kv head (MAX_G in the C source)
@@ -116,7 +118,6 @@ class CpuKernels:
             _ptr(token), _ptr(normalizer), _ptr(scratch), ctypes.c_int(threads),
         )
         return token, normalizer
-
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], reading the weight in place (no repacking)."""

@@ -37,10 +37,15 @@ def uninstall(modules: list[torch.nn.Linear]) -> None:
         module.__dict__.pop("forward", None)
 
 
-def _small_batch_forward(module: torch.nn.Linear, kernels, x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> [..., N]; the kernel when the flattened rows are few, else F.linear."""
+def small_batch_linear(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       large=F.linear) -> torch.Tensor:
+    """x [..., K] -> [..., N]: the kernel when the flattened fp32 rows are few, else `large(x, weight, bias)`."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if rows.shape[0] > MAX_KERNEL_ROWS or x.dtype != torch.float32:
-        return F.linear(x, module.weight, module.bias)
-    out = kernels.linear(rows, module.weight, module.bias)  # [M, N]
+        return large(x, weight, bias)
+    out = kernels.linear(rows, weight, bias)  # [M, N]
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _small_batch_forward(module: torch.nn.Linear, kernels, x: torch.Tensor) -> torch.Tensor:
+    return small_batch_linear(kernels, x, module.weight, module.bias)

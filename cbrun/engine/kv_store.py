@@ -5,22 +5,18 @@ gathering a sequence's pages (`index_select` on dim 1) yields
 `[H_kv, pages, page_size, D]`, which is already the layout attention wants
 (heads outermost), with no transpose copy.
 
-On CPU the pool is an anonymous memory map: the OS hands out zeroed pages
-lazily, so a large pool costs nothing at start and resident memory grows only
-as pages are touched. Zeros matter: padding pages read by batched attention
-are masked, and must hold finite values, never garbage. The map asks for
-transparent huge pages: a first touch then faults once per 2 MiB instead of
-once per 4 KiB page, and first-touch faults are what a fresh block costs
-(measured on a VM: ~50 us per 4 KiB fault, 600 us for one decode step's
-K/V writes to fresh blocks of one layer, 20 us once touched).
+On CPU the pool is allocated with calloc (through numpy): the OS hands out
+zeroed pages lazily, so a large pool costs nothing at start and resident
+memory grows only as pages are touched. Zeros matter: padding pages read by
+batched attention are masked, and must hold finite values, never garbage.
+A first touch is not free (on the VM measured, ~5 ms per MiB of host-side
+faults, with or without transparent huge pages), so the block pool reuses
+touched blocks before fresh ones, and `prefault` touches blocks up front.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import math
-import mmap
 
 import numpy as np
 import torch
@@ -45,23 +41,12 @@ class KVShape:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zero tensor; on CPU a lazily zeroed memory map (huge pages where the OS allows) so untouched pages cost no RAM."""
+    """Zero tensor; on CPU backed by calloc so untouched pages cost no RAM."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     element = torch.tensor([], dtype=dtype).element_size()
-    nbytes = max(1, math.prod(shape) * element)
-    try:
-        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (AttributeError, OSError):  # no anonymous maps here: calloc through numpy is also lazy
-        numpy_type = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[element]
-        return torch.from_numpy(np.zeros(shape, dtype=numpy_type)).view(dtype)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass  # THP off: 4 KiB pages, still lazy
-    array = np.frombuffer(buffer, dtype=np.uint8, count=math.prod(shape) * element)  # keeps the map alive
-    return torch.from_numpy(array).view(dtype).view(shape)
+    numpy_type = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[element]
+    return torch.from_numpy(np.zeros(shape, dtype=numpy_type)).view(dtype)
 
 
 class KVStore:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from cbrun.engine.attention import BATCH_KWARG
 from cbrun.engine.batch import PagedBatch
-from cbrun.engine.cpu_linear import MAX_KERNEL_ROWS
+from cbrun.engine.cpu_linear import small_batch_linear
 
 # config attributes by which a causal LM transforms logits after its head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -56,8 +56,8 @@ class ModelRunner:
         rows = hidden[0].index_select(0, batch.logits_indices)  # [N, hidden]
         if self.head is None:
             return self.model.lm_head(rows).float()
-        if self.kernels is not None and rows.shape[0] <= MAX_KERNEL_ROWS:
-            return self.kernels.linear(rows, self.head.weight, self.head.bias)
+        if self.kernels is not None:
+            return small_batch_linear(self.kernels, rows, self.head.weight, self.head.bias, large=self.project)
         return self.project(rows, self.head.weight, self.head.bias).float()
 
 
