@@ -19,6 +19,8 @@ from cbrun.engine.config import EngineConfig, StatsSnapshot
 from cbrun.engine.cpu_kernels import load_cpu_kernels
 from cbrun.engine.cpu_linear import install_small_batch_linears, uninstall
 from cbrun.engine.detokenize import Detokenizer
+from cbrun.engine.fused_layers import install_fused_layers
+from cbrun.engine.fused_layers import uninstall as uninstall_fused_layers
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
 from cbrun.engine.model_spec import ModelSpec, default_device, read_model_spec
@@ -75,6 +77,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
         self.kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         self.fast_linears = install_small_batch_linears(model.model, self.kernels) if self.kernels else []
+        self.fused_layers = install_fused_layers(model, self.kernels)
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
                                     self.spec.sliding_window, self.device, self._decode_kernel(),
                                     self.kernels.write_kv if self.kernels is not None else None)
@@ -88,7 +91,8 @@ class EngineCore:
     def close(self) -> None:
         """Give the model back as it came, apart from its attention implementation."""
         uninstall(self.fast_linears)
-        self.fast_linears = []
+        uninstall_fused_layers(self.fused_layers)
+        self.fast_linears, self.fused_layers = [], []
 
     def _decode_kernel(self):
         """The compiled CPU decode kernel when it applies to this model, else None (torch path)."""

@@ -32,7 +32,7 @@ import torch
 
 log = logging.getLogger("cbrun.engine")
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+_SOURCES = Path(__file__).with_name("csrc")  # *.c built into one library, with their shared header
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _kernel: "CpuKernels | None" = None
@@ -45,14 +45,27 @@ def _cache_root() -> Path:
     return Path(root) / "kernels"
 
 
-def _compile(source: Path, target: Path) -> None:
+def _sources() -> list[Path]:
+    return sorted(_SOURCES.glob("*.c"))
+
+
+def _digest() -> str:
+    """Names the build: every source and header, the flags and the platform."""
+    content = hashlib.sha256()
+    for path in sorted([*_SOURCES.glob("*.c"), *_SOURCES.glob("*.h")]):
+        content.update(path.name.encode() + path.read_bytes())
+    content.update(" ".join(_FLAGS).encode() + sys.platform.encode())
+    return content.hexdigest()[:16]
+
+
+def _compile(sources: list[Path], target: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], check=True,
+        subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", str(built), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(built, target)  # atomic: concurrent builders never see half a file
 
@@ -68,8 +81,11 @@ class CpuKernels:
         self.write_function = library.paged_write
         self.sample_function = library.sample_rows_f32
         self.linear_function = library.linear_f32
+        self.gated_function = library.gated_silu_f32
+        self.rmsnorm_function = library.rmsnorm_f32
+        self.rope_function = library.rope_f32
         for function in (*self.decode_functions.values(), self.write_function, self.sample_function,
-                         self.linear_function):
+                         self.linear_function, self.gated_function, self.rmsnorm_function, self.rope_function):
             function.restype = None
         self.max_gd = int(library.paged_decode_max_gd())  # restype set by the loader
 
@@ -121,15 +137,73 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], reading the weight in place (no repacking)."""
+        return self.linear_many(x, [weight], [bias])
+
+    def linear_many(self, x: torch.Tensor, weights: list[torch.Tensor],
+                    biases: list[torch.Tensor | None]) -> torch.Tensor:
+        """fp32 x [M, K] against several weights [N_i, K] in one pass -> [M, sum N_i], outputs side by side."""
         rows, inner = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
-        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        widths = [w.shape[0] for w in weights]
+        out = torch.empty(rows, sum(widths), dtype=torch.float32)
+        count = len(weights)
         self.linear_function(
-            _ptr(x), _i64(x.stride(0)), _ptr(weight), _ptr(bias) if bias is not None else None, _ptr(out),
-            _i64(rows), _i64(weight.shape[0]), _i64(inner), ctypes.c_int(torch.get_num_threads()),
+            _ptr(x), _i64(x.stride(0)), ctypes.c_int(count), _pointers(weights), _pointers(biases),
+            (ctypes.c_int64 * count)(*widths), _ptr(out), _i64(out.stride(0)), _i64(rows), _i64(inner),
+            ctypes.c_int(torch.get_num_threads()),
         )
         return out
+
+    def gated_silu(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                   gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(x @ gate^T + gate_bias) * (x @ up^T + up_bias): fp32 x [M, K], weights [N, K] -> [M, N]."""
+        rows, inner = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(rows, gate.shape[0], dtype=torch.float32)
+        self.gated_function(
+            _ptr(x), _i64(x.stride(0)), _ptr(gate), _ptr(up), _optional_ptr(gate_bias), _optional_ptr(up_bias),
+            _ptr(out), _i64(out.stride(0)), _i64(rows), _i64(gate.shape[0]), _i64(inner),
+            ctypes.c_int(torch.get_num_threads()),
+        )
+        return out
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMS norm of each row of D = weight.numel() in fp32 x [T, heads * D] (row stride free).
+
+        With `delta` (same shape), the rows of x + delta are normalized. Returns
+        (normed [T, heads * D], the rows that were normalized: x + delta, or x).
+        """
+        tokens, width = x.shape
+        dim = weight.numel()
+        out = torch.empty(tokens, width, dtype=torch.float32)
+        total = torch.empty_like(out) if delta is not None else x
+        self.rmsnorm_function(
+            _ptr(x), _i64(x.stride(0)), _optional_ptr(delta), _i64(delta.stride(0) if delta is not None else 0),
+            _ptr(total), _i64(total.stride(0)), _ptr(weight), ctypes.c_float(eps), _ptr(out), _i64(out.stride(0)),
+            _i64(tokens), _i64(width // dim), _i64(dim), ctypes.c_int(torch.get_num_threads()),
+        )
+        return out, total
+
+    def rope(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotary embedding in place on the first `heads` heads of each fp32 row of x [T, >= heads * D];
+        cos, sin [T, D] (rotate-half convention, as transformers' apply_rotary_pos_emb)."""
+        tokens = x.shape[0]
+        dim = cos.shape[-1]
+        self.rope_function(
+            _ptr(x), _i64(x.stride(0)), _i64(heads), _i64(dim), _ptr(cos), _ptr(sin), _i64(cos.stride(0)),
+            _i64(tokens), ctypes.c_int(torch.get_num_threads()),
+        )
+
+
+def _pointers(tensors: list[torch.Tensor | None]):
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() if t is not None else None for t in tensors))
+
+
+def _optional_ptr(tensor: torch.Tensor | None) -> ctypes.c_void_p | None:
+    return _ptr(tensor) if tensor is not None else None
 
 
 def _ptr(tensor: torch.Tensor) -> ctypes.c_void_p:
@@ -150,11 +224,9 @@ def load_cpu_kernels() -> CpuKernels | None:
             return _kernel
         _tried = True
         try:
-            source = _SOURCE.read_bytes()
-            digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + sys.platform.encode()).hexdigest()[:16]
-            target = _cache_root() / f"cbrun_cpu-{digest}.so"
+            target = _cache_root() / f"cbrun_cpu-{_digest()}.so"
             if not target.exists():
-                _compile(_SOURCE, target)
+                _compile(_sources(), target)
             library = ctypes.CDLL(str(target))
             library.paged_decode_max_gd.restype = ctypes.c_int64
             _kernel = CpuKernels(library)

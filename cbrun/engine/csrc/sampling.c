@@ -1,0 +1,54 @@
+#include <math.h>
+#include <stdint.h>
+#include <omp.h>
+
+#include "vec.h"
+
+/* Sampling, one row of fp32 logits per sequence.
+ *   inv_temp[r]  1 / temperature (1 for greedy rows)
+ *   uniform[r]   the row's draw in [0, 1), or a negative number for greedy rows
+ * Outputs: token[r] (argmax, or the inverse-CDF draw of softmax(x * inv_temp)),
+ *          normalizer[r] = logsumexp(x * inv_temp), so a logprob is x * inv_temp - normalizer.
+ * scratch: [threads, V] floats for the exponentials of sampled rows. */
+void sample_rows_f32(const float* logits, int64_t N, int64_t V, int64_t row_stride, const float* inv_temp,
+                     const double* uniform, int64_t* token, float* normalizer, float* scratch, int threads) {
+  _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
+  for (int64_t r = 0; r < N; ++r) {
+    const float* x = logits + r * row_stride;
+    const float t = inv_temp[r];
+    float* e = scratch + (int64_t)omp_get_thread_num() * V;
+    float best = -INFINITY;
+    int64_t best_index = 0;
+    for (int64_t i = 0; i < V; ++i)
+      if (x[i] > best) { best = x[i]; best_index = i; } /* first maximum, as torch.argmax */
+    const float top = best * t;
+    const int64_t V8 = V & ~(int64_t)7;
+    v8f total = splat(0.f);
+    for (int64_t i = 0; i < V8; i += 8) {
+      v8f p = exp8(load_f32(x + i) * splat(t) - splat(top));
+      store_f32(e + i, p);
+      total += p;
+    }
+    float sum = hsum(total);
+    for (int64_t i = V8; i < V; ++i) { e[i] = expf(x[i] * t - top); sum += e[i]; }
+    normalizer[r] = top + logf(sum);
+    if (uniform[r] < 0) { token[r] = best_index; continue; }
+    /* inverse CDF: the first index whose running sum exceeds u * sum */
+    const double target = uniform[r] * (double)sum;
+    double running = 0.0;
+    int64_t pick = -1, i = 0;
+    for (; i < V8; i += 8) {
+      const double block = (double)hsum(load_f32(e + i));
+      if (running + block > target) break;
+      running += block;
+    }
+    for (; i < V; ++i) {
+      running += e[i];
+      if (running > target && e[i] > 0.f) { pick = i; break; }
+    }
+    if (pick < 0) { /* float edge: the last token with any probability */
+      for (pick = V - 1; pick > 0 && e[pick] == 0.f; --pick) {}
+    }
+    token[r] = pick;
+  }
+}

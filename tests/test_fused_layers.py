@@ -1,0 +1,150 @@
+"""The fused decoder-layer path: its kernels against torch, and its install-time probe."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from cbrun.engine.cpu_kernels import load_cpu_kernels
+from cbrun.engine.cpu_linear import MAX_KERNEL_ROWS
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+@pytest.mark.parametrize("widths", [(24, 12, 12), (7,), (6, 1, 13)])
+def test_linear_many_matches_concatenated_f_linear(rows, widths):
+    """Several weights in one pass, every tile remainder, a K tail, mixed biases, a strided input."""
+    torch.manual_seed(1)
+    in_features = 37
+    x = torch.randn(rows, in_features + 5)[:, :in_features]
+    weights = [torch.randn(n, in_features) for n in widths]
+    biases = [torch.randn(n) if i % 2 == 0 else None for i, n in enumerate(widths)]
+    got = kernels.linear_many(x, weights, biases)
+    expected = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=1)
+    assert got.shape == (rows, sum(widths))
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("features", [1, 3, 10])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_silu_matches_torch(rows, features, with_bias):
+    torch.manual_seed(2)
+    in_features = 43
+    x = torch.randn(rows, in_features) * 2
+    gate, up = torch.randn(features, in_features), torch.randn(features, in_features)
+    gate_bias, up_bias = (torch.randn(features), torch.randn(features)) if with_bias else (None, None)
+    got = kernels.gated_silu(x, gate, up, gate_bias, up_bias)
+    expected = F.silu(F.linear(x, gate, gate_bias)) * F.linear(x, up, up_bias)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def _rms_norm(x, weight, eps):
+    """transformers' LlamaRMSNorm formula."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+@pytest.mark.parametrize("dim", [64, 13])
+def test_rmsnorm_rows_heads_and_residual_add(dim):
+    torch.manual_seed(3)
+    tokens, heads, eps = 5, 3, 1e-6
+    wide = torch.randn(tokens, heads * dim + 4) * 3
+    x = wide[:, : heads * dim]  # row stride != width
+    weight = torch.randn(dim)
+    normed, total = kernels.rmsnorm(x, weight, eps)
+    assert total is x
+    expected = _rms_norm(x.view(tokens, heads, dim), weight, eps).view(tokens, heads * dim)
+    assert torch.allclose(normed, expected, atol=1e-5, rtol=1e-5)
+    delta = torch.randn(tokens, heads * dim)
+    normed, total = kernels.rmsnorm(x, weight, eps, delta=delta)
+    assert torch.equal(total, x + delta)
+    expected = _rms_norm((x + delta).view(tokens, heads, dim), weight, eps).view(tokens, heads * dim)
+    assert torch.allclose(normed, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 20])
+def test_rope_is_bit_identical_to_transformers(dim):
+    """Rotate-half rotary in place on q and k heads side by side in one row, as apply_rotary_pos_emb."""
+    torch.manual_seed(4)
+    tokens, heads, kv_heads = 6, 4, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    angles = torch.randn(tokens, dim // 2) * 5
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # [T, D]
+    q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)[None]  # [1, H, T, D]
+    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(tokens, kv_heads, dim).transpose(0, 1)[None]
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    values = qkv[:, (heads + kv_heads) * dim:].clone()
+    kernels.rope(qkv, heads + kv_heads, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)  # q, k are views of qkv
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], values)  # v untouched
+
+
+# -- install and probe ------------------------------------------------------------------
+
+class _CountingKernels:
+    """The kernels, counting calls by name."""
+
+    def __init__(self, inner):
+        import collections
+
+        self.inner, self.calls = inner, collections.Counter()
+
+    def __getattr__(self, name):
+        function = getattr(self.inner, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return function(*args, **kwargs)
+        return counted
+
+
+def _load(directory):
+    from cbrun.models import load_model
+
+    model, _ = load_model(str(directory), dtype="float32", device="cpu")
+    return model
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_mistral_sliding_dir"])
+def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, request):
+    from cbrun.engine.fused_layers import install_fused_layers, uninstall
+
+    model = _load(request.getfixturevalue(fixture))
+    model.set_attn_implementation("sdpa")
+    torch.manual_seed(7)
+    spy = _CountingKernels(kernels)
+    with torch.inference_mode():
+        inputs = [torch.randint(3, 500, (1, n)) for n in (4, MAX_KERNEL_ROWS + 9)]
+        expected = [model(ids, use_cache=False).logits for ids in inputs]
+        installed = install_fused_layers(model, spy)
+        assert installed == list(model.model.layers)
+        assert model.config._attn_implementation == "sdpa"  # the probe puts it back
+        for ids, reference in zip(inputs, expected):
+            spy.calls.clear()
+            assert torch.allclose(model(ids, use_cache=False).logits, reference, atol=1e-4, rtol=1e-4)
+            assert spy.calls["rope"] == len(installed)  # the fused forward ran in every layer
+        uninstall(installed)
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+
+
+def test_layers_of_another_shape_are_left_alone(tiny_gemma_hybrid_dir):
+    """Gemma3's layers have extra norms and a (1 + w) RMSNorm: not fused."""
+    from cbrun.engine.fused_layers import install_fused_layers
+
+    model = _load(tiny_gemma_hybrid_dir)
+    assert install_fused_layers(model, kernels) == []
+
+
+def test_a_layer_that_computes_something_else_fails_its_probe(tiny_llama_dir):
+    """Same structure, different function (a norm with another formula): that layer keeps its forward."""
+    from cbrun.engine.fused_layers import install_fused_layers
+
+    model = _load(tiny_llama_dir)
+    odd = model.model.layers[1].post_attention_layernorm
+    odd.forward = lambda hidden: odd.weight * hidden  # no normalization
+    installed = install_fused_layers(model, kernels)
+    assert installed == [model.model.layers[0]]
+    assert "forward" not in model.model.layers[1].__dict__
