@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from cbrun.engine.batch import DecodeLayout, PagedBatch, PrefillSeq
+from cbrun.engine.shared_prefix import attend_shared_prefixes
 
 ATTENTION_NAME = "cbrun_paged"
 BATCH_KWARG = "cbrun_batch"
@@ -42,9 +43,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if batch.num_rows:
         q = query[0, :, : batch.num_rows]  # [H, R, D]
         if batch.decode_kernel is not None:
-            out[: batch.num_rows] = batch.decode_kernel(
-                q.transpose(0, 1).contiguous(), k_pool, v_pool, layout.decode.tables, layout.decode.kv_len,
-                layout.decode.kv_lo, layout.decode.first_page, scale)
+            out[: batch.num_rows] = _decode_with_kernel(batch.decode_kernel, q.transpose(0, 1).contiguous(),
+                                                        k_pool, v_pool, layout.decode, scale)
         else:
             out[: batch.num_rows] = _decode(q, k_pool, v_pool, layout.decode, scale)
     for seq in layout.prefills:
@@ -57,6 +57,15 @@ def _write(k_pool, v_pool, key, value, slots) -> None:
     num_kv, num_blocks, page, dim = k_pool.shape
     k_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, key)
     v_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, value)
+
+
+def _decode_with_kernel(kernel, q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]; rows sharing a prefix attend to it together first (shared_prefix.py)."""
+    if not layout.shared:
+        return kernel(q, k_pool, v_pool, layout.tables, layout.kv_len, layout.kv_lo, layout.first_page, scale)
+    state = attend_shared_prefixes(q, k_pool, v_pool, layout.shared, scale)
+    return kernel(q, k_pool, v_pool, layout.tables, layout.kv_len, layout.shared_lo, layout.first_page, scale,
+                  state)
 
 
 def _decode(q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
 from cbrun.engine.request import Request
+from cbrun.engine.shared_prefix import SharedPrefix, find_shared_prefixes
 
 
 @dataclass
@@ -61,6 +62,8 @@ class DecodeLayout:
     first_page: torch.Tensor  # [B] logical page of tables[:, 0]
     pages: torch.Tensor | None = None  # [B * max_pages] (torch path)
     bias: torch.Tensor | None = None  # [B, 1, max_pages * page] 0 or -inf, fp32 (torch path)
+    shared: list[SharedPrefix] = field(default_factory=list)  # rows attended together over common pages (kernel)
+    shared_lo: torch.Tensor | None = None  # [B] first key each row attends alone when `shared`
 
 
 @dataclass
@@ -174,6 +177,8 @@ class BatchBuilder:
             kv_lo=torch.tensor(lows, **as_long),
             first_page=torch.tensor(firsts, **as_long),
         )
+        if not self.torch_decode and window is None and not any(firsts):
+            layout.shared, layout.shared_lo = find_shared_prefixes(layout.tables, layout.kv_len, page)
         if self.torch_decode:
             offsets = torch.arange(max_pages * page, **as_long)  # [L]
             key_pos = layout.first_page[:, None] * page + offsets[None, :]  # [B, L]

@@ -7,7 +7,10 @@
 - Sampling computes argmax, log-sum-exp and the inverse-CDF draw of each
   logits row in one parallel pass, where torch needs several full passes.
 - Linear layers with few rows (fp32) read their weights in place, where BLAS
-  repacks them on every call (see cpu_linear.py).
+  repacks them on every call (see cpu_linear.py); several weights sharing an
+  input (q|k|v, gate|up with SiLU) go in one pass.
+- RMSNorm (with the residual add) and rotary embeddings for the fused
+  decoder layers (fused_layers.py).
 
 It is plain C with OpenMP and vector extensions, built with the local C
 compiler in a second or two into the user cache and called through ctypes.
@@ -94,15 +97,21 @@ class CpuKernels:
                 and group * head_dim <= self.max_gd)
 
     def decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-               kv_len: torch.Tensor, kv_lo: torch.Tensor, first_page: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, H, D] contiguous; pools [H_kv, NB, P, D]; returns [B, H, D]."""
+               kv_len: torch.Tensor, kv_lo: torch.Tensor, first_page: torch.Tensor, scale: float,
+               state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [B, H, D] contiguous; pools [H_kv, NB, P, D]; returns [B, H, D].
+
+        `state` (running max [B, H], sum [B, H], unnormalized output [B, H, D], fp32)
+        continues each row's softmax over keys before kv_lo attended elsewhere.
+        """
         batch, heads, dim = q.shape
         num_kv, num_blocks, page, _ = k_pool.shape
         out = torch.empty_like(q)
+        m0, l0, acc0 = (_ptr(t) for t in state) if state is not None else (None, None, None)
         self.decode_functions[q.dtype](
             _ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(tables), _ptr(kv_len), _ptr(kv_lo), _ptr(first_page),
             _ptr(out), _i64(batch), _i64(heads), _i64(dim), _i64(num_kv), _i64(num_blocks), _i64(page),
-            _i64(tables.shape[1]), ctypes.c_float(scale), ctypes.c_int(torch.get_num_threads()),
+            _i64(tables.shape[1]), ctypes.c_float(scale), ctypes.c_int(torch.get_num_threads()), m0, l0, acc0,
         )
         return out
 

@@ -2,7 +2,7 @@
 
 At decode sizes (up to a few dozen rows per step) the BLAS fp32 GEMM repacks
 each weight matrix on every call, which costs as much as the multiply; the
-kernel in csrc/cpu_kernels.c reads weights in place. Measured on the
+kernel in csrc/linear.c reads weights in place. Measured on the
 default model's shapes, streaming all 30 layers' weights (AVX2, 2 threads):
 about 1.3-2x the GFLOP/s of `F.linear` at 4-32 rows, even at 64, behind
 from about 128 rows, where larger steps go back to `F.linear`.

@@ -11,6 +11,10 @@
  *   kv_lo      [B] int64            ... and at positions >= kv_lo (sliding window; else 0)
  *   first_page [B] int64            logical page index of tables[b][0]
  *   out        [B, H, D]
+ *   m0, l0     [B, H] fp32, acc0 [B, H, D] fp32, or all NULL: a softmax state to
+ *              continue from (running max, sum of exponentials, unnormalized
+ *              output) for keys before kv_lo that were attended elsewhere
+ *              (a shared prefix attended for many rows at once)
  *
  * Work is split over (row, kv head) pairs. Each streams its keys and values
  * once, in chunks of up to 64 keys (spanning pages when pages are small),
@@ -115,16 +119,17 @@ static inline float online_softmax(float* s, int64_t n, float* m, float* l) {
 #define DEFINE_DECODE_TASK(SUFFIX, T, LOADV, STORE)                                                      \
   static inline __attribute__((always_inline)) void decode_task_##SUFFIX(                                \
       const T* q, const T* k, const T* v, const int64_t* table, int64_t first, int64_t lo, int64_t hi,   \
-      T* out, int64_t G, int64_t D, int64_t P, float scale) {                                            \
+      T* out, int64_t G, int64_t D, int64_t P, float scale, const float* m0, const float* l0,           \
+      const float* acc0) {                                                                               \
     const int64_t C = D / 8;                                                                             \
     v8f qf[MAX_GD / 8], acc[MAX_GD / 8];                                                                 \
     float scores[SEG];                                                                                   \
     float m[MAX_G], l[MAX_G];                                                                            \
     for (int64_t i = 0; i < G * C; ++i) {                                                                \
       qf[i] = LOADV(q + i * 8) * splat(scale);                                                           \
-      acc[i] = splat(0.f);                                                                               \
+      acc[i] = acc0 ? load_f32(acc0 + i * 8) : splat(0.f);                                               \
     }                                                                                                    \
-    for (int64_t g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }                                    \
+    for (int64_t g = 0; g < G; ++g) { m[g] = m0 ? m0[g] : -INFINITY; l[g] = l0 ? l0[g] : 0.f; }          \
     /* chunks of up to SEG keys, which may span several pages; each chunk is    \
      * scored page piece by page piece, then one softmax update, then values */ \
     for (int64_t start = lo; start < hi;) {                                                              \
@@ -163,25 +168,31 @@ static inline float online_softmax(float* s, int64_t n, float* m, float* l) {
   void paged_decode_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,                  \
                              const int64_t* kv_len, const int64_t* kv_lo, const int64_t* first_page,     \
                              T* out, int64_t B, int64_t H, int64_t D, int64_t Hkv, int64_t NB, int64_t P, \
-                             int64_t max_pages, float scale, int threads) {                              \
+                             int64_t max_pages, float scale, int threads, const float* m0,              \
+                             const float* l0, const float* acc0) {                                       \
     const int64_t G = H / Hkv;                                                                           \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                               \
     for (int64_t task = 0; task < B * Hkv; ++task) {                                                     \
-      const int64_t b = task / Hkv, h = task % Hkv;                                                      \
+      const int64_t b = task % B, h = task / B;                                                          \
       const int64_t offset = (b * H + h * G) * D;                                                        \
       const T* kh = k + h * NB * P * D;                                                                  \
       const T* vh = v + h * NB * P * D;                                                                  \
       const int64_t* table = tables + b * max_pages;                                                     \
+      /* a softmax state to continue from (keys before kv_lo attended elsewhere), else none */              \
+      const int64_t first_head = b * H + h * G;                                                          \
+      const float* sm = m0 ? m0 + first_head : 0;                                                        \
+      const float* sl = l0 ? l0 + first_head : 0;                                                        \
+      const float* sa = acc0 ? acc0 + first_head * D : 0;                                                \
       /* constant head sizes let the compiler keep accumulators in registers */                          \
       if (D == 64)                                                                                       \
         decode_task_##SUFFIX(q + offset, kh, vh, table, first_page[b], kv_lo[b], kv_len[b], out + offset, \
-                             G, 64, P, scale);                                                           \
+                             G, 64, P, scale, sm, sl, sa);                                                                    \
       else if (D == 128)                                                                                 \
         decode_task_##SUFFIX(q + offset, kh, vh, table, first_page[b], kv_lo[b], kv_len[b], out + offset, \
-                             G, 128, P, scale);                                                          \
+                             G, 128, P, scale, sm, sl, sa);                                                                   \
       else                                                                                               \
         decode_task_##SUFFIX(q + offset, kh, vh, table, first_page[b], kv_lo[b], kv_len[b], out + offset, \
-                             G, D, P, scale);                                                            \
+                             G, D, P, scale, sm, sl, sa);                                                                     \
     }                                                                                                    \
   }
 

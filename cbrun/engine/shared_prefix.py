@@ -1,0 +1,96 @@
+"""Shared-prefix ("cascade") decode attention.
+
+When many decoding rows start with the same cached pages (a common system
+prompt, n samples of one prompt), the row-by-row decode kernel reads those
+keys and values once per row and multiplies them one query at a time. Here
+the shared part is attended for all of a group's rows at once, as two
+batched matrix products per KV head:
+
+    scores [H_kv, R*G, L] = q [H_kv, R*G, D] @ keys [H_kv, L, D]^T
+    out    [H_kv, R*G, D] = exp(scores - max) @ values [H_kv, L, D]
+
+and the decode kernel continues each row's softmax from that state over its
+own remaining keys (from `kv_lo` = L on). Exact up to float rounding: the
+two parts merge through the running max and sum, as in flash-decoding.
+
+Groups are found once per step (`find_shared_prefixes`), for full-attention
+layers only; a group pays off when rows x shared keys is large.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_ROWS = 4  # rows in a group
+MIN_ROW_KEYS = 4096  # rows x shared keys: below this the kernel alone is as fast
+
+
+@dataclass
+class SharedPrefix:
+    """Decode rows whose first `pages.numel()` pages are the same blocks, all visible to each of them."""
+
+    rows: torch.Tensor  # [R] row indices
+    pages: torch.Tensor  # [S] block ids
+
+
+def find_shared_prefixes(tables: torch.Tensor, kv_len: torch.Tensor,
+                         page_size: int) -> tuple[list[SharedPrefix], torch.Tensor | None]:
+    """Groups of rows by their first block, with their common leading pages.
+
+    tables [B, max_pages] (first logical page 0 for every row), kv_len [B].
+    Returns the groups worth batching and each row's first key position left
+    to the kernel ([B]; 0 for rows in no group), or ([], None).
+    """
+    groups = []
+    lo = torch.zeros_like(kv_len)
+    first_blocks, counts = torch.unique(tables[:, 0], return_counts=True)
+    for block in first_blocks[counts >= MIN_ROWS].tolist():
+        rows = (tables[:, 0] == block).nonzero().squeeze(1)  # [R]
+        group_tables = tables.index_select(0, rows)  # [R, max_pages]
+        same = (group_tables == group_tables[0]).all(0).long()  # [max_pages]
+        common = int(same.cumprod(0).sum())
+        visible = int(kv_len.index_select(0, rows).min()) // page_size  # pages every row sees whole
+        shared = min(common, visible)
+        if shared == 0 or rows.numel() * shared * page_size < MIN_ROW_KEYS:
+            continue
+        groups.append(SharedPrefix(rows, group_tables[0, :shared].clone()))
+        lo[rows] = shared * page_size
+    return (groups, lo) if groups else ([], None)
+
+
+def attend_shared_prefixes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           groups: list[SharedPrefix], scale: float):
+    """Softmax state of each row over its group's shared keys (rows in no group: empty state).
+
+    q [B, H, D]; pools [H_kv, NB, P, D]. Returns (max [B, H], sum [B, H],
+    unnormalized output [B, H, D]), fp32, for the decode kernel to continue.
+    """
+    batch, heads, dim = q.shape
+    num_kv = k_pool.shape[0]
+    group_size = heads // num_kv
+    top = torch.full((batch, heads), float("-inf"))
+    total = torch.zeros(batch, heads)
+    acc = torch.zeros(batch, heads, dim)
+    for group in groups:
+        rows = group.rows.numel()
+        keys = k_pool.index_select(1, group.pages).view(num_kv, -1, dim).float()  # [H_kv, L, D]
+        values = v_pool.index_select(1, group.pages).view(num_kv, -1, dim).float()
+        queries = q.index_select(0, group.rows).float().view(rows, num_kv, group_size, dim)
+        queries = queries.permute(1, 0, 2, 3).reshape(num_kv, rows * group_size, dim)  # [H_kv, R*G, D]
+        scores = torch.bmm(queries * scale, keys.transpose(1, 2))  # [H_kv, R*G, L]
+        row_max = scores.amax(-1, keepdim=True)  # [H_kv, R*G, 1]
+        probs = scores.sub_(row_max).exp_()
+        out = torch.bmm(probs, values)  # [H_kv, R*G, D]
+        top[group.rows] = _per_row(row_max.squeeze(-1), rows, group_size)
+        total[group.rows] = _per_row(probs.sum(-1), rows, group_size)
+        acc[group.rows] = _per_row(out, rows, group_size)
+    return top, total, acc
+
+
+def _per_row(x: torch.Tensor, rows: int, group_size: int) -> torch.Tensor:
+    """[H_kv, R*G, ...] -> [R, H_kv*G, ...]: query head h*G + g of each row, as the kernel lays them out."""
+    num_kv = x.shape[0]
+    tail = x.shape[2:]
+    return x.view(num_kv, rows, group_size, *tail).transpose(0, 1).reshape(rows, num_kv * group_size, *tail)
