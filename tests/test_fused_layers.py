@@ -148,3 +148,10 @@ def test_a_layer_that_computes_something_else_fails_its_probe(tiny_llama_dir):
     installed = install_fused_layers(model, kernels)
     assert installed == [model.model.layers[0]]
     assert "forward" not in model.model.layers[1].__dict__
+
+
+def test_silu_mul_matches_torch():
+    torch.manual_seed(8)
+    gate = torch.randn(70, 1000) * 4
+    up = torch.randn(70, 1003)[:, :1000]  # row stride != width
+    assert torch.allclose(kernels.silu_mul(gate, up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)

@@ -87,8 +87,10 @@ class CpuKernels:
         self.gated_function = library.gated_silu_f32
         self.rmsnorm_function = library.rmsnorm_f32
         self.rope_function = library.rope_f32
+        self.silu_mul_function = library.silu_mul_f32
         for function in (*self.decode_functions.values(), self.write_function, self.sample_function,
-                         self.linear_function, self.gated_function, self.rmsnorm_function, self.rope_function):
+                         self.linear_function, self.gated_function, self.rmsnorm_function, self.rope_function,
+                         self.silu_mul_function):
             function.restype = None
         self.max_gd = int(library.paged_decode_max_gd())  # restype set by the loader
 
@@ -175,6 +177,16 @@ class CpuKernels:
             _ptr(x), _i64(x.stride(0)), _ptr(gate), _ptr(up), _optional_ptr(gate_bias), _optional_ptr(up_bias),
             _ptr(out), _i64(out.stride(0)), _i64(rows), _i64(gate.shape[0]), _i64(inner),
             ctypes.c_int(torch.get_num_threads()),
+        )
+        return out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for fp32 [T, N] inputs (unit stride along N), in one pass -> [T, N]."""
+        tokens, width = gate.shape
+        out = torch.empty(tokens, width, dtype=torch.float32)
+        self.silu_mul_function(
+            _ptr(gate), _i64(gate.stride(0)), _ptr(up), _i64(up.stride(0)), _ptr(out), _i64(out.stride(0)),
+            _i64(tokens), _i64(width), ctypes.c_int(torch.get_num_threads()),
         )
         return out
 

@@ -119,8 +119,8 @@ def fused_forward(plan: LayerPlan, kernels, stock_forward, hidden_states: torch.
     if small:
         gated = kernels.gated_silu(normed, plan.gate.weight, plan.up.weight, plan.gate.bias, plan.up.bias)
     else:
-        gated = F.silu(F.linear(normed, plan.gate.weight, plan.gate.bias)) * F.linear(
-            normed, plan.up.weight, plan.up.bias)  # [T, intermediate]
+        gated = kernels.silu_mul(F.linear(normed, plan.gate.weight, plan.gate.bias),
+                                 F.linear(normed, plan.up.weight, plan.up.bias))  # [T, intermediate]
     return (residual + _linear(kernels, gated, plan.down, small)).unsqueeze(0)
 
 

@@ -5,6 +5,7 @@
  *   rmsnorm_f32  out = w * (h * 1/sqrt(mean(h^2) + eps)) per row of D, where
  *                h = x, or h = x + delta (the residual add, stored to sum_out).
  *                Rows may be heads inside token rows (q/k norms).
+ *   silu_mul_f32 silu(gate) * up, one pass (gated MLPs at large steps).
  *   rope_f32     rotary embedding in place, rotate-half convention:
  *                out[i] = x[i] cos[i] - x[i + D/2] sin[i], out[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2].
  *
@@ -97,5 +98,23 @@ void rope_f32(float* x, int64_t ldx, int64_t heads, int64_t D, const float* cos,
   for (int64_t r = 0; r < T * heads; ++r) {
     const int64_t t = r / heads, j = r % heads;
     rope_row(x + t * ldx + j * D, cos + t * ldc, sin + t * ldc, D / 2);
+  }
+}
+
+/* out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up over rows of n (strides ldg, ldu, ldo):
+ * the activation of a gated MLP whose projections ran as separate GEMMs (large steps). */
+void silu_mul_f32(const float* gate, int64_t ldg, const float* up, int64_t ldu, float* out, int64_t ldo, int64_t T,
+                  int64_t n, int threads) {
+  const int use = T * n >= PARALLEL_MIN_ELEMENTS ? threads : 1;
+  const int64_t n8 = n & ~(int64_t)7;
+  _Pragma("omp parallel for schedule(static) num_threads(use)")
+  for (int64_t t = 0; t < T; ++t) {
+    const float *g = gate + t * ldg, *u = up + t * ldu;
+    float* o = out + t * ldo;
+    for (int64_t i = 0; i < n8; i += 8) {
+      const v8f x = load_f32(g + i);
+      store_f32(o + i, x / (splat(1.f) + exp8(-x)) * load_f32(u + i));
+    }
+    for (int64_t i = n8; i < n; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
   }
 }
