@@ -106,14 +106,16 @@ def fused_forward(plan: LayerPlan, kernels, stock_forward, hidden_states: torch.
     """The decoder layer's forward: hidden [1, T, hidden] -> [1, T, hidden]."""
     function = ALL_ATTENTION_FUNCTIONS.get_interface(plan.attention.config._attn_implementation, None)
     if function is None or position_embeddings is None or hidden_states.dtype != torch.float32 \
-            or hidden_states.shape[0] != 1 or any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+            or hidden_states.shape[0] != 1 or hidden_states.stride(-1) != 1 \
+            or any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
         # not the engine's call: the stock forward
         return stock_forward(hidden_states, attention_mask=attention_mask,
                              position_embeddings=position_embeddings, **kwargs)
     x = hidden_states[0]  # [T, hidden]
     small = x.shape[0] <= MAX_KERNEL_ROWS
     normed, _ = kernels.rmsnorm(x, plan.input_norm.weight, plan.input_norm.eps)
-    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, small, kwargs)  # [T, H*D]
+    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, small,
+                          kwargs)  # [T, H * D]
     projected = _linear(kernels, attended, plan.o_proj, small)  # [T, hidden]
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
     if small:
