@@ -155,3 +155,22 @@ def test_silu_mul_matches_torch():
     gate = torch.randn(70, 1000) * 4
     up = torch.randn(70, 1003)[:, :1000]  # row stride != width
     assert torch.allclose(kernels.silu_mul(gate, up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_that_cannot_switch_to_sdpa_is_not_fused(tiny_llama_dir, monkeypatch):
+    """The probe needs SDPA; without it the layers keep their stock forward and nothing fails."""
+    from cbrun.engine.fused_layers import install_fused_layers
+
+    model = _load(tiny_llama_dir)
+    original = model.set_attn_implementation
+
+    def no_sdpa(name):
+        if name == "sdpa":
+            raise ValueError("SDPA is not supported by this model")
+        return original(name)
+
+    monkeypatch.setattr(model, "set_attn_implementation", no_sdpa)
+    before = model.config._attn_implementation
+    assert install_fused_layers(model, kernels) == []
+    assert model.config._attn_implementation == before
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)

@@ -80,11 +80,17 @@ def install_fused_layers(model, kernels) -> list[torch.nn.Module]:
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if kernels is None or layers is None or rotary is None:
         return []
-    plans = [(layer, _plan(layer)) for layer in layers]
+    plans = [(layer, plan) for layer in layers if (plan := _plan(layer)) is not None]
+    if not plans:
+        return []
     previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")  # a pure function of q, k, v for the probe
     try:
-        verified = [(layer, plan) for layer, plan in plans if plan and _probe(layer, plan, kernels, rotary)]
+        model.set_attn_implementation("sdpa")  # a pure function of q, k, v for the probe
+    except Exception as exc:  # a model without SDPA support: no probe, no fusion
+        log.info("fused CPU decoder layers off: %s", exc)
+        return []
+    try:
+        verified = [(layer, plan) for layer, plan in plans if _probe(layer, plan, kernels, rotary)]
     finally:
         model.set_attn_implementation(previous)
     installed = []
