@@ -55,7 +55,7 @@ def _sources() -> list[Path]:
 def _digest() -> str:
     """Names the build: every source and header, the flags and the platform."""
     content = hashlib.sha256()
-    for path in sorted([*_SOURCES.glob("*.c"), *_SOURCES.glob("*.h")]):
+    for path in sorted([*_sources(), *_SOURCES.glob("*.h")]):
         content.update(path.name.encode() + path.read_bytes())
     content.update(" ".join(_FLAGS).encode() + sys.platform.encode())
     return content.hexdigest()[:16]
@@ -74,7 +74,8 @@ def _compile(sources: list[Path], target: Path) -> None:
 
 
 class CpuKernels:
-    """ctypes bindings of the compiled kernels: paged decode attention, K/V writes, sampling, linear."""
+    """ctypes bindings of the compiled kernels: paged decode attention, K/V writes, sampling, linear
+    layers, and the fused decoder layers' norm, rotary and activation."""
 
     _DECODE = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
     MAX_GROUP = 64  # query heads per kv head (MAX_G in the C source)
@@ -153,9 +154,8 @@ class CpuKernels:
     def linear_many(self, x: torch.Tensor, weights: list[torch.Tensor],
                     biases: list[torch.Tensor | None]) -> torch.Tensor:
         """fp32 x [M, K] against several weights [N_i, K] in one pass -> [M, sum N_i], outputs side by side."""
+        x = _unit_stride_rows(x)
         rows, inner = x.shape
-        if x.stride(1) != 1:
-            x = x.contiguous()
         widths = [w.shape[0] for w in weights]
         out = torch.empty(rows, sum(widths), dtype=torch.float32)
         count = len(weights)
@@ -169,9 +169,8 @@ class CpuKernels:
     def gated_silu(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                    gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu(x @ gate^T + gate_bias) * (x @ up^T + up_bias): fp32 x [M, K], weights [N, K] -> [M, N]."""
+        x = _unit_stride_rows(x)
         rows, inner = x.shape
-        if x.stride(1) != 1:
-            x = x.contiguous()
         out = torch.empty(rows, gate.shape[0], dtype=torch.float32)
         self.gated_function(
             _ptr(x), _i64(x.stride(0)), _ptr(gate), _ptr(up), _optional_ptr(gate_bias), _optional_ptr(up_bias),
@@ -217,6 +216,11 @@ class CpuKernels:
             _ptr(x), _i64(x.stride(0)), _i64(heads), _i64(dim), _ptr(cos), _ptr(sin), _i64(cos.stride(0)),
             _i64(tokens), ctypes.c_int(torch.get_num_threads()),
         )
+
+
+def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with unit stride along K (the kernels take any row stride)."""
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def _pointers(tensors: list[torch.Tensor | None]):

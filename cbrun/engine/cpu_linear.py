@@ -21,12 +21,17 @@ import torch.nn.functional as F
 MAX_KERNEL_ROWS = 64  # above this the BLAS GEMM is as fast or faster (measured)
 
 
+def kernel_can_read(module) -> bool:
+    """Whether `module` is a plain nn.Linear whose weight the kernel can read in place (fp32, CPU, contiguous)."""
+    return type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 \
+        and module.weight.device.type == "cpu" and module.weight.is_contiguous()
+
+
 def install_small_batch_linears(decoder: torch.nn.Module, kernels) -> list[torch.nn.Linear]:
     """Route every fp32 CPU nn.Linear under `decoder` through the kernel for small batches; returns them."""
     patched = []
     for module in decoder.modules():
-        if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 \
-                and module.weight.device.type == "cpu" and module.weight.is_contiguous():
+        if kernel_can_read(module):
             module.forward = functools.partial(_small_batch_forward, module, kernels)
             patched.append(module)
     return patched

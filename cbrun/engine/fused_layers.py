@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cbrun.engine.cpu_linear import MAX_KERNEL_ROWS
+from cbrun.engine.cpu_linear import MAX_KERNEL_ROWS, kernel_can_read, small_batch_linear
 
 log = logging.getLogger("cbrun.engine")
 
@@ -122,14 +122,14 @@ def fused_forward(plan: LayerPlan, kernels, stock_forward, hidden_states: torch.
     normed, _ = kernels.rmsnorm(x, plan.input_norm.weight, plan.input_norm.eps)
     attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, small,
                           kwargs)  # [T, H * D]
-    projected = _linear(kernels, attended, plan.o_proj, small)  # [T, hidden]
+    projected = small_batch_linear(kernels, attended, plan.o_proj.weight, plan.o_proj.bias)  # [T, hidden]
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
     if small:
         gated = kernels.gated_silu(normed, plan.gate.weight, plan.up.weight, plan.gate.bias, plan.up.bias)
     else:
         gated = kernels.silu_mul(F.linear(normed, plan.gate.weight, plan.gate.bias),
                                  F.linear(normed, plan.up.weight, plan.up.bias))  # [T, intermediate]
-    return (residual + _linear(kernels, gated, plan.down, small)).unsqueeze(0)
+    return (residual + small_batch_linear(kernels, gated, plan.down.weight, plan.down.bias)).unsqueeze(0)
 
 
 def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, position_embeddings, attention_mask,
@@ -160,10 +160,6 @@ def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, positio
     return out.reshape(tokens, heads * dim)
 
 
-def _linear(kernels, x: torch.Tensor, layer: torch.nn.Linear, small: bool) -> torch.Tensor:
-    return kernels.linear(x, layer.weight, layer.bias) if small else F.linear(x, layer.weight, layer.bias)
-
-
 # -- install-time checks ----------------------------------------------------------
 
 def _plan(layer) -> LayerPlan | None:
@@ -172,20 +168,20 @@ def _plan(layer) -> LayerPlan | None:
         return None
     attention, mlp = layer.self_attn, layer.mlp
     attention_parts = _children(attention)
-    if attention_parts not in (_ATTENTION_PARTS, _ATTENTION_PARTS | _HEAD_NORMS) or _children(mlp) != _MLP_PARTS:
+    has_head_norms = attention_parts == _ATTENTION_PARTS | _HEAD_NORMS
+    if (attention_parts != _ATTENTION_PARTS and not has_head_norms) or _children(mlp) != _MLP_PARTS:
         return None
     linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if not all(_fp32_cpu_linear(lin) for lin in linears):
+    if not all(kernel_can_read(lin) for lin in linears):
         return None
     dim = getattr(attention, "head_dim", None)
     if not isinstance(dim, int) or dim % 2 or not hasattr(attention, "scaling") \
             or not hasattr(getattr(attention, "config", None), "_attn_implementation"):
         return None
     norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
-    head_norms = [_norm(getattr(attention, n)) for n in ("q_norm", "k_norm")] if _HEAD_NORMS <= attention_parts \
-        else [None, None]
-    if None in norms or (_HEAD_NORMS <= attention_parts and None in head_norms):
+    head_norms = [_norm(attention.q_norm), _norm(attention.k_norm)] if has_head_norms else [None, None]
+    if None in norms or (has_head_norms and None in head_norms):
         return None
     q, k, v, o = linears[:4]
     if q.out_features % dim or k.out_features % dim or k.out_features != v.out_features:
@@ -199,11 +195,6 @@ def _plan(layer) -> LayerPlan | None:
 
 def _children(module) -> set[str]:
     return {name for name, _ in module.named_children()}
-
-
-def _fp32_cpu_linear(module) -> bool:
-    return type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 \
-        and module.weight.device.type == "cpu" and module.weight.is_contiguous()
 
 
 def _norm(module) -> Norm | None:

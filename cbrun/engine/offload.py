@@ -136,7 +136,10 @@ class SavedGroup:
 
 
 def _zeros_like_pool(store: KVStore, blocks: int) -> torch.Tensor:
-    """A CPU pool shaped like the store with `blocks` pages: pinned for GPU copies, else lazily zeroed (kv_store.zeros)."""
+    """A CPU pool shaped like the store with `blocks` pages.
+
+    Pinned for GPU copies, else lazily zeroed (kv_store.zeros).
+    """
     shape = list(store.data.shape)
     shape[3] = blocks
     if store.device.type == "cuda":

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from cbrun.engine.attention import BATCH_KWARG
 from cbrun.engine.batch import PagedBatch
-from cbrun.engine.cpu_linear import small_batch_linear
+from cbrun.engine.cpu_linear import kernel_can_read, small_batch_linear
 
 # config attributes by which a causal LM transforms logits after its head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -33,7 +33,7 @@ class ModelRunner:
         self.model = model
         self.keeps_logits = bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
         self.head = _plain_head(model)
-        fast = self.head is not None and _cpu_fp32(self.head)
+        fast = self.head is not None and kernel_can_read(self.head)
         self.kernels = kernels if fast else None
         self.project = _onednn_project if fast and _onednn_available() else _torch_project
 
@@ -69,10 +69,6 @@ def _plain_head(model) -> torch.nn.Linear | None:
     transforms = any(getattr(c, name, None) not in (None, 1, 1.0) for c in configs if c is not None
                      for name in _LOGIT_TRANSFORMS)
     return head if type(head) is torch.nn.Linear and not transforms else None
-
-
-def _cpu_fp32(head: torch.nn.Linear) -> bool:
-    return head.weight.device.type == "cpu" and head.weight.dtype == torch.float32 and head.weight.is_contiguous()
 
 
 def _onednn_available() -> bool:

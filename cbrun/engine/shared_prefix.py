@@ -46,6 +46,8 @@ def find_shared_prefixes(tables: torch.Tensor, kv_len: torch.Tensor,
     Returns the groups worth batching and each row's first key position left
     to the kernel ([B]; 0 for rows in no group), or ([], None).
     """
+    if tables.shape[0] < MIN_ROWS or tables.shape[0] * int(kv_len.max()) < MIN_ROW_KEYS:
+        return [], None  # no group could pay off: skip the per-step grouping work
     groups = []
     lo = torch.zeros_like(kv_len)
     first_blocks, counts = torch.unique(tables[:, 0], return_counts=True)
