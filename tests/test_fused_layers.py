@@ -12,10 +12,10 @@ kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 33, 64])  # pairs only, one panel, panels + an odd row, panels
 @pytest.mark.parametrize("widths", [(24, 12, 12), (7,), (6, 1, 13)])
 def test_linear_many_matches_concatenated_f_linear(rows, widths):
-    """Several weights in one pass, every tile remainder, a K tail, mixed biases, a strided input."""
+    """Several weights in one pass, every tile and panel remainder, a K tail, mixed biases, a strided input."""
     torch.manual_seed(1)
     in_features = 37
     x = torch.randn(rows, in_features + 5)[:, :in_features]
@@ -27,7 +27,7 @@ def test_linear_many_matches_concatenated_f_linear(rows, widths):
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("rows", [1, 3, 19, 64])
 @pytest.mark.parametrize("features", [1, 3, 10])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gated_silu_matches_torch(rows, features, with_bias):

@@ -94,6 +94,7 @@ class CpuKernels:
                          self.silu_mul_function):
             function.restype = None
         self.max_gd = int(library.paged_decode_max_gd())  # restype set by the loader
+        self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
 
     def supports_decode(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
         return (dtype in self.decode_functions and head_dim % 8 == 0 and group <= self.MAX_GROUP
@@ -162,7 +163,7 @@ class CpuKernels:
         self.linear_function(
             _ptr(x), _i64(x.stride(0)), ctypes.c_int(count), _pointers(weights), _pointers(biases),
             (ctypes.c_int64 * count)(*widths), _ptr(out), _i64(out.stride(0)), _i64(rows), _i64(inner),
-            ctypes.c_int(torch.get_num_threads()),
+            _ptr(self._panel_scratch(rows, inner)), ctypes.c_int(torch.get_num_threads()),
         )
         return out
 
@@ -175,9 +176,17 @@ class CpuKernels:
         self.gated_function(
             _ptr(x), _i64(x.stride(0)), _ptr(gate), _ptr(up), _optional_ptr(gate_bias), _optional_ptr(up_bias),
             _ptr(out), _i64(out.stride(0)), _i64(rows), _i64(gate.shape[0]), _i64(inner),
-            ctypes.c_int(torch.get_num_threads()),
+            _ptr(self._panel_scratch(rows, inner)), ctypes.c_int(torch.get_num_threads()),
         )
         return out
+
+    def _panel_scratch(self, rows: int, inner: int) -> torch.Tensor:
+        """Room for the linear kernels' packed copy of x (whole 16-row panels), kept per thread and grown on demand."""
+        needed = max(1, rows // 16 * 16 * inner)
+        scratch = getattr(self._local, "panels", None)
+        if scratch is None or scratch.numel() < needed:
+            scratch = self._local.panels = torch.empty(needed, dtype=torch.float32)
+        return scratch
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for fp32 [T, N] inputs (unit stride along N), in one pass -> [T, N]."""

@@ -1,66 +1,143 @@
-/* Small-batch fp32 linear layers that read their weights in place.
+/* fp32 linear layers that read their weights in place: y = x @ W^T.
  *
- * At decode sizes (a few dozen rows) a BLAS GEMM spends as long repacking the
- * weight matrix on every call as it does multiplying. Here weights are read
- * once, in their own [N, K] layout, in tiles of NR rows that stay in L1 while
- * every MR-row tile of x (from L2) is multiplied against them (2 x 6 measured
- * best of 3x4, 4x3, 2x4, 2x6, 5x2, 1x8 on AVX2 at 8-64 rows); products are
- * accumulated along K in vector lanes and reduced once per output.
+ * A BLAS GEMM repacks the weight matrix on every call; at a few dozen rows
+ * that costs as much as the multiply, and even at hundreds of rows MKL's fp32
+ * GEMM reaches only 90-120 GFLOP/s on the decoder's shapes here (2 x AVX2
+ * cores, ~195 peak). Here the weights stay in their [N, K] layout and are read
+ * once per call, in tiles of NR = 6 rows that stay in L1 while every row of x
+ * is multiplied against them. x is the small operand, so it is the one packed:
  *
- * Weights come from memory on every step (a model's weights do not fit in
- * cache), so while one tile is multiplied the tile LIN_PF ahead is prefetched
- * into L2, spread over the row steps: without it the hardware prefetcher stops
- * as soon as the current tile stops missing, and each tile's first rows wait
- * on memory (measured +10-15% GFLOP/s at 16-64 rows).
+ *   - Full panels of 16 rows of x are copied k-major (xp[p][k][16]); a panel
+ *     times a weight tile is an outer-product kernel: per k, two vector loads of
+ *     x, six broadcasts of weights, twelve FMAs into a 6 x 16 register block,
+ *     and no reduction at the end (~135 GFLOP/s at 64-512 rows, measured).
+ *   - The rows left over (M mod 16, or all of them below 16 rows) go through a
+ *     dot-product kernel on the same L1-resident tile: 2 rows x 6 weights of
+ *     vector partial sums along K, reduced once per output (padding them into a
+ *     panel would waste up to 15/16 of the work).
+ *
+ * Weights come from memory on every call (a model's weights do not fit in
+ * cache), so while a tile's first row step runs, the tile LIN_PF ahead is
+ * prefetched into L2 a line at a time (see prefetch_line).
+ *
+ * Edge tiles repeat their last weight row (the extra outputs are not stored),
+ * so every tile runs the full-width kernels.
  *
  *   linear_f32      y[M, sum N_s] = x @ [w_0; w_1; ...]^T (+ biases): one or several
  *                   weights sharing the input (q, k and v projections) in one pass.
  *   gated_silu_f32  y[M, N] = silu(x @ wg^T + bg) * (x @ wu^T + bu): a gated MLP's
  *                   gate and up projections, with the activation in the epilogue.
+ *
+ * Both take `xp`, scratch for (M / 16) * 16 * K floats (the packed panels).
  */
 #include "vec.h"
 
-#define LIN_MR 2
-#define LIN_NR 6
-#define LIN_PF 2
+#define LIN_MR 2     /* rows of x per dot-product step */
+#define LIN_NR 6     /* weight rows per tile */
+#define PANEL 16     /* rows of x per packed panel */
+#define LIN_PF 2     /* tiles ahead to prefetch */
 #define MAX_SEGMENTS 8
 
-/* s[i][j] = dot(x row i, weight row j) over K, for mr <= MR rows of x (stride ldx)
- * and nr <= NR weight rows at w[j]. */
-static inline __attribute__((always_inline)) void tile_dots(const float* x, int64_t ldx, const float* const* w,
-                                                            int64_t K, int mr, int nr, float s[LIN_MR][LIN_NR]) {
+/* out[j][i] = dot(x row i, weight row j) for one tile: a block of up to PANEL rows of x */
+typedef float tile_block[LIN_NR][PANEL];
+
+/* Prefetch the cache line holding float k of each of the NR weight rows `ahead` into L2. Issued
+ * one line per row every 16 k inside a tile's first row step, it keeps a few misses in flight at
+ * a time: prefetching a whole tile in bursts between steps stalled the loads behind it (the
+ * kernel ran 25-35% slower at 16-48 rows, measured). */
+static inline void prefetch_line(const float* const* ahead, int64_t k) {
+  for (int j = 0; j < LIN_NR; ++j) __builtin_prefetch(ahead[j] + k, 0, 2);
+}
+
+/* s[i][j] = dot(x row i, weight row j) over K, for mr <= MR rows of x (stride ldx). */
+static inline __attribute__((always_inline)) void pair_dots(const float* x, int64_t ldx, const float* const* w,
+                                                            const float* const* ahead, int64_t K, int mr,
+                                                            float s[LIN_MR][LIN_NR]) {
   v8f acc[LIN_MR][LIN_NR];
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) acc[i][j] = splat(0.f);
+    for (int j = 0; j < LIN_NR; ++j) acc[i][j] = splat(0.f);
   const int64_t K8 = K & ~(int64_t)7;
   for (int64_t k = 0; k < K8; k += 8) {
+    if (ahead && (k & 15) == 0) prefetch_line(ahead, k);
     v8f xv[LIN_MR];
     for (int i = 0; i < mr; ++i) xv[i] = load_f32(x + i * ldx + k);
-    for (int j = 0; j < nr; ++j) {
+    for (int j = 0; j < LIN_NR; ++j) {
       v8f wv = load_f32(w[j] + k);
       KEEP_IN_REGISTER(wv);
       for (int i = 0; i < mr; ++i) acc[i][j] += xv[i] * wv;
     }
   }
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) {
+    for (int j = 0; j < LIN_NR; ++j) {
       float sum = hsum(acc[i][j]);
       for (int64_t k = K8; k < K; ++k) sum += x[i * ldx + k] * w[j][k];
       s[i][j] = sum;
     }
 }
 
-/* Full tiles get a body specialized for MR x NR; edges the generic one. */
-static inline void tile_dots_any(const float* x, int64_t ldx, const float* const* w, int64_t K, int mr, int nr,
-                                 float s[LIN_MR][LIN_NR]) {
-  if (mr == LIN_MR && nr == LIN_NR) tile_dots(x, ldx, w, K, LIN_MR, LIN_NR, s);
-  else tile_dots(x, ldx, w, K, mr, nr, s);
+/* out[j][i] for the PANEL rows packed k-major at xp ([K][PANEL]). */
+static inline __attribute__((always_inline)) void panel_dots(const float* xp, const float* const* w,
+                                                             const float* const* ahead, int64_t K, tile_block out) {
+  v8f acc[LIN_NR][2];
+  for (int j = 0; j < LIN_NR; ++j) acc[j][0] = acc[j][1] = splat(0.f);
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    if (ahead) prefetch_line(ahead, k0);
+    const int64_t k1 = k0 + 16 < K ? k0 + 16 : K;
+    for (int64_t k = k0; k < k1; ++k) {
+      v8f x0 = load_f32(xp + k * PANEL), x1 = load_f32(xp + k * PANEL + 8);
+      KEEP_IN_REGISTER(x0);
+      KEEP_IN_REGISTER(x1);
+      for (int j = 0; j < LIN_NR; ++j) {
+        const v8f wk = splat(w[j][k]);
+        acc[j][0] += wk * x0;
+        acc[j][1] += wk * x1;
+      }
+    }
+  }
+  for (int j = 0; j < LIN_NR; ++j) {
+    store_f32(out[j], acc[j][0]);
+    store_f32(out[j] + 8, acc[j][1]);
+  }
 }
 
-/* Prefetch part `step` of `steps` of each of nr weight rows of K floats. */
-static inline void prefetch_rows(const float* const* rows, int nr, int64_t K, int64_t step, int64_t steps) {
-  const int64_t bytes = K * (int64_t)sizeof(float);
-  for (int j = 0; j < nr; ++j) prefetch_range(rows[j], bytes * step / steps, bytes * (step + 1) / steps);
+/* Copy rows [0, panels * PANEL) of x into k-major panels, this thread's share (every threads-th panel). */
+static void pack_panels(const float* x, int64_t ldx, int64_t panels, int64_t K, float* xp, int thread,
+                        int threads) {
+  for (int64_t p = thread; p < panels; p += threads) {
+    const float* src = x + p * PANEL * ldx;
+    float* dst = xp + p * PANEL * K;
+    for (int64_t k0 = 0; k0 < K; k0 += 64) { /* blocks of 64 columns: 16 source lines stay in L1 */
+      const int64_t k1 = k0 + 64 < K ? k0 + 64 : K;
+      for (int i = 0; i < PANEL; ++i)
+        for (int64_t k = k0; k < k1; ++k) dst[k * PANEL + i] = src[i * ldx + k];
+    }
+  }
+}
+
+/* Where a tile's products go: rows m..m+count of out[j][i] (i < count). */
+typedef void (*emit_fn)(const void* ctx, int64_t tile, int64_t m, int count, tile_block out);
+
+/* One weight tile against every row of x (panels from xp, then the rest in pairs), handing each block to emit. */
+static inline __attribute__((always_inline)) void tile_times_x(const float* x, int64_t ldx, const float* xp,
+                                                               int64_t M, int64_t K, const float* const* rows,
+                                                               const float* const* next, emit_fn emit,
+                                                               const void* ctx, int64_t tile) {
+  const int64_t panels = M / PANEL, packed = panels * PANEL;
+  tile_block out = {{0}};
+  for (int64_t p = 0; p < panels; ++p) {
+    panel_dots(xp + p * PANEL * K, rows, p == 0 ? next : 0, K, out);
+    emit(ctx, tile, p * PANEL, PANEL, out);
+  }
+  for (int64_t m = packed; m < M; m += LIN_MR) {
+    const float* const* ahead = m == 0 ? next : 0;
+    float s[LIN_MR][LIN_NR];
+    const int mr = M - m < LIN_MR ? (int)(M - m) : LIN_MR;
+    if (mr == LIN_MR) pair_dots(x + m * ldx, ldx, rows, ahead, K, LIN_MR, s); /* constant mr: in registers */
+    else pair_dots(x + m * ldx, ldx, rows, ahead, K, 1, s);
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < LIN_NR; ++j) out[j][i] = s[i][j];
+    emit(ctx, tile, m, mr, out);
+  }
 }
 
 /* The weights of a linear_f32 call: segments s of n[s] rows each, outputs side by side. */
@@ -70,94 +147,122 @@ typedef struct {
   const float* const* bias;
   const int64_t* n;
   int64_t K;
-} segments;
+  float* y;
+  int64_t ldy;
+} linear_call;
 
-/* Rows of tile t (NR rows at a time within each segment): fills rows[], the output
- * column and the bias of its first row (NULL if none); returns the row count, 0 past the end. */
-static int segment_tile(const segments* sg, int64_t t, const float* rows[LIN_NR], int64_t* col,
+/* Rows of tile t (NR rows at a time within each segment, the last repeated to fill a short tile):
+ * fills rows[], the output column and the bias of its first row (NULL if none); returns the real
+ * row count, 0 past the end (rows[0] NULL). */
+static int segment_tile(const linear_call* c, int64_t t, const float* rows[LIN_NR], int64_t* col,
                         const float** bias) {
   int64_t first_col = 0;
-  for (int s = 0; s < sg->count; ++s) {
-    const int64_t tiles = (sg->n[s] + LIN_NR - 1) / LIN_NR;
+  for (int s = 0; s < c->count; ++s) {
+    const int64_t tiles = (c->n[s] + LIN_NR - 1) / LIN_NR;
     if (t < tiles) {
       const int64_t n = t * LIN_NR;
-      const int nr = (int)(sg->n[s] - n < LIN_NR ? sg->n[s] - n : LIN_NR);
-      for (int j = 0; j < nr; ++j) rows[j] = sg->w[s] + (n + j) * sg->K;
+      const int nr = (int)(c->n[s] - n < LIN_NR ? c->n[s] - n : LIN_NR);
+      for (int j = 0; j < LIN_NR; ++j) rows[j] = c->w[s] + (n + (j < nr ? j : nr - 1)) * c->K;
       *col = first_col + n;
-      *bias = sg->bias[s] ? sg->bias[s] + n : 0;
+      *bias = c->bias[s] ? c->bias[s] + n : 0;
       return nr;
     }
     t -= tiles;
-    first_col += sg->n[s];
+    first_col += c->n[s];
   }
+  rows[0] = 0;
   return 0;
 }
 
+static void emit_linear(const void* ctx, int64_t tile, int64_t m, int count, tile_block out) {
+  const linear_call* c = ctx;
+  const float* rows[LIN_NR];
+  const float* b;
+  int64_t col;
+  const int nr = segment_tile(c, tile, rows, &col, &b);
+  for (int i = 0; i < count; ++i) {
+    float* y = c->y + (m + i) * c->ldy + col;
+    for (int j = 0; j < nr; ++j) y[j] = b ? out[j][i] + b[j] : out[j][i];
+  }
+}
+
 void linear_f32(const float* x, int64_t ldx, int count, const float* const* w, const float* const* bias,
-                const int64_t* n, float* y, int64_t ldy, int64_t M, int64_t K, int threads) {
+                const int64_t* n, float* y, int64_t ldy, int64_t M, int64_t K, float* xp, int threads) {
   if (count > MAX_SEGMENTS) return;
-  const segments sg = {count, w, bias, n, K};
+  const linear_call c = {count, w, bias, n, K, y, ldy};
   int64_t tiles = 0;
   for (int s = 0; s < count; ++s) tiles += (n[s] + LIN_NR - 1) / LIN_NR;
-  const int64_t steps = (M + LIN_MR - 1) / LIN_MR;
-  _Pragma("omp parallel for schedule(static) num_threads(threads)")
-  for (int64_t t = 0; t < tiles; ++t) {
-    const float *rows[LIN_NR], *next[LIN_NR], *b, *next_b;
-    int64_t col, next_col;
-    const int nr = segment_tile(&sg, t, rows, &col, &b);
-    const int next_nr = segment_tile(&sg, t + LIN_PF, next, &next_col, &next_b);
-    for (int64_t step = 0, m = 0; m < M; ++step, m += LIN_MR) {
-      const int mr = M - m < LIN_MR ? (int)(M - m) : LIN_MR;
-      prefetch_rows(next, next_nr, K, step, steps);
-      float s[LIN_MR][LIN_NR];
-      tile_dots_any(x + m * ldx, ldx, rows, K, mr, nr, s);
-      for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < nr; ++j) y[(m + i) * ldy + col + j] = b ? s[i][j] + b[j] : s[i][j];
+  _Pragma("omp parallel num_threads(threads)") {
+    pack_panels(x, ldx, M / PANEL, K, xp, omp_get_thread_num(), omp_get_num_threads());
+    _Pragma("omp barrier")
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < tiles; ++t) {
+      const float *rows[LIN_NR], *next[LIN_NR], *b;
+      int64_t col;
+      segment_tile(&c, t, rows, &col, &b);
+      segment_tile(&c, t + LIN_PF, next, &col, &b);
+      tile_times_x(x, ldx, xp, M, K, rows, next[0] ? next : 0, emit_linear, &c, t);
     }
   }
 }
 
-/* Gate rows n..n+NR/2 and the matching up rows: the tile's first half gates, second half ups. */
-static int gated_tile(const float* wg, const float* wu, int64_t N, int64_t K, int64_t t, const float* rows[LIN_NR]) {
-  const int half = LIN_NR / 2;
-  const int64_t n = t * half;
-  if (n >= N) return 0;
-  const int cols = (int)(N - n < half ? N - n : half);
-  for (int j = 0; j < cols; ++j) {
-    rows[j] = wg + (n + j) * K;
-    rows[cols + j] = wu + (n + j) * K;
+/* The weights of a gated_silu_f32 call. */
+typedef struct {
+  const float *wg, *wu, *bg, *bu;
+  int64_t N, K;
+  float* y;
+  int64_t ldy;
+} gated_call;
+
+#define GATED_COLS (LIN_NR / 2) /* a tile holds gate rows n.. in its first half, the matching up rows in its second */
+
+/* Rows of gated tile t (a short tile repeats its last gate and up rows); returns the real column count. */
+static int gated_tile(const gated_call* c, int64_t t, const float* rows[LIN_NR]) {
+  const int64_t n = t * GATED_COLS;
+  if (n >= c->N) {
+    rows[0] = 0;
+    return 0;
+  }
+  const int cols = (int)(c->N - n < GATED_COLS ? c->N - n : GATED_COLS);
+  for (int j = 0; j < GATED_COLS; ++j) {
+    const int64_t row = n + (j < cols ? j : cols - 1);
+    rows[j] = c->wg + row * c->K;
+    rows[GATED_COLS + j] = c->wu + row * c->K;
   }
   return cols;
 }
 
-/* silu(g) * u for up to 8 lanes: g / (1 + exp(-g)) * u, as torch computes silu. */
+/* silu(g) * u for 8 lanes: g / (1 + exp(-g)) * u, as torch computes silu. */
 static inline v8f silu_mul8(v8f g, v8f u) { return g / (splat(1.f) + exp8(-g)) * u; }
 
+static void emit_gated(const void* ctx, int64_t tile, int64_t m, int count, tile_block out) {
+  const gated_call* c = ctx;
+  const int64_t n = tile * GATED_COLS;
+  const int cols = (int)(c->N - n < GATED_COLS ? c->N - n : GATED_COLS);
+  for (int j = 0; j < cols; ++j)
+    for (int half = 0; half < PANEL; half += 8) {
+      const v8f g = load_f32(out[j] + half) + splat(c->bg ? c->bg[n + j] : 0.f);
+      const v8f u = load_f32(out[GATED_COLS + j] + half) + splat(c->bu ? c->bu[n + j] : 0.f);
+      store_f32(out[j] + half, silu_mul8(g, u));
+    }
+  for (int i = 0; i < count; ++i)
+    for (int j = 0; j < cols; ++j) c->y[(m + i) * c->ldy + n + j] = out[j][i];
+}
+
 void gated_silu_f32(const float* x, int64_t ldx, const float* wg, const float* wu, const float* bg,
-                    const float* bu, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-  const int half = LIN_NR / 2;
-  const int64_t tiles = (N + half - 1) / half;
-  const int64_t steps = (M + LIN_MR - 1) / LIN_MR;
-  _Pragma("omp parallel for schedule(static) num_threads(threads)")
-  for (int64_t t = 0; t < tiles; ++t) {
-    const float *rows[LIN_NR], *next[LIN_NR];
-    const int cols = gated_tile(wg, wu, N, K, t, rows);
-    const int next_cols = gated_tile(wg, wu, N, K, t + LIN_PF, next);
-    const int64_t n = t * half;
-    for (int64_t step = 0, m = 0; m < M; ++step, m += LIN_MR) {
-      const int mr = M - m < LIN_MR ? (int)(M - m) : LIN_MR;
-      prefetch_rows(next, 2 * next_cols, K, step, steps);
-      float s[LIN_MR][LIN_NR];
-      tile_dots_any(x + m * ldx, ldx, rows, K, mr, 2 * cols, s);
-      v8f g = splat(0.f), u = splat(0.f); /* lane i * half + j: row i, column j */
-      for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < cols; ++j) {
-          g[i * half + j] = s[i][j] + (bg ? bg[n + j] : 0.f);
-          u[i * half + j] = s[i][cols + j] + (bu ? bu[n + j] : 0.f);
-        }
-      const v8f out = silu_mul8(g, u);
-      for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < cols; ++j) y[(m + i) * ldy + n + j] = out[i * half + j];
+                    const float* bu, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K, float* xp,
+                    int threads) {
+  const gated_call c = {wg, wu, bg, bu, N, K, y, ldy};
+  const int64_t tiles = (N + GATED_COLS - 1) / GATED_COLS;
+  _Pragma("omp parallel num_threads(threads)") {
+    pack_panels(x, ldx, M / PANEL, K, xp, omp_get_thread_num(), omp_get_num_threads());
+    _Pragma("omp barrier")
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < tiles; ++t) {
+      const float *rows[LIN_NR], *next[LIN_NR];
+      gated_tile(&c, t, rows);
+      gated_tile(&c, t + LIN_PF, next);
+      tile_times_x(x, ldx, xp, M, K, rows, next[0] ? next : 0, emit_gated, &c, t);
     }
   }
 }
