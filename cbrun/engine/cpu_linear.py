@@ -4,8 +4,8 @@ At decode sizes (up to a few dozen rows per step) the BLAS fp32 GEMM repacks
 each weight matrix on every call, which costs as much as the multiply; the
 kernel in csrc/linear.c reads weights in place. Measured on the
 default model's shapes, streaming all 30 layers' weights (AVX2, 2 threads):
-about 1.3-2x the GFLOP/s of `F.linear` at 4-32 rows, even at 64, behind
-from about 128 rows, where larger steps go back to `F.linear`.
+about 2x the GFLOP/s of `F.linear` at 4-32 rows, 1.3x at 64, level from
+about 128-256 rows, where larger steps go back to `F.linear`.
 
 The patch is per module instance (a `forward` attribute), installed by the
 engine core for its lifetime and removed by `uninstall`.

@@ -145,7 +145,7 @@ def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, positio
         qkv[:, : heads * dim], _ = kernels.rmsnorm(qkv[:, : heads * dim], plan.q_norm.weight, plan.q_norm.eps)
         k_cols = slice(heads * dim, (heads + kv_heads) * dim)
         qkv[:, k_cols], _ = kernels.rmsnorm(qkv[:, k_cols], plan.k_norm.weight, plan.k_norm.eps)
-    cos, sin = (t[0].float().contiguous() for t in position_embeddings)  # [T, D] each
+    cos, sin = _rope_tables(position_embeddings)  # [T, D] each
     kernels.rope(qkv, heads + kv_heads, cos, sin)  # q and k heads are adjacent
     per_head = qkv.view(tokens, heads + 2 * kv_heads, dim).transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]
     query = per_head[:, :heads]
@@ -158,6 +158,26 @@ def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, positio
     out, _ = function(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
                       **kwargs)  # [1, T, H, D]
     return out.reshape(tokens, heads * dim)
+
+
+_last_rope_tables: tuple = (None, None, None)  # (the model's cos, its sin, their fp32 contiguous copies)
+
+
+def _rope_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary cos and sin as fp32 contiguous [T, D] tables.
+
+    Every layer of one forward receives the same two tensors, so they are
+    converted once per step, not once per layer. The cache is one tuple,
+    replaced whole, so engines stepping in other threads never see half of it.
+    """
+    global _last_rope_tables
+    cos, sin = position_embeddings
+    last = _last_rope_tables
+    if last[0] is cos and last[1] is sin:
+        return last[2]
+    tables = (cos[0].float().contiguous(), sin[0].float().contiguous())
+    _last_rope_tables = (cos, sin, tables)
+    return tables
 
 
 # -- install-time checks ----------------------------------------------------------
