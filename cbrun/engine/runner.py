@@ -5,7 +5,7 @@ was switched to ours; each call passes flat `(1, T)` inputs, explicit
 positions, no cache object, and the step's `PagedBatch` as one kwarg.
 
 For a plain linear output head the runner projects the sampled rows itself,
-so on CPU fp32 the projection can use the small-batch kernel (up to 64 rows)
+so on CPU fp32 the projection can use the small-batch kernel (up to MAX_KERNEL_ROWS = 256 rows)
 or oneDNN: at this shape (rows against a vocabulary-sized weight) either runs
 about 1.5-3x faster than the default fp32 GEMM, and the head is a quarter of
 a small model's decode FLOPs.
