@@ -117,19 +117,31 @@ static void pack_panels(const float* x, int64_t ldx, int64_t panels, int64_t K, 
   }
 }
 
-/* Where a tile's products go: rows m..m+count of out[j][i] (i < count). */
-typedef void (*emit_fn)(const void* ctx, int64_t tile, int64_t m, int count, tile_block out);
+/* Where one weight tile's products go: `cols` columns of y from `col` on, with their biases (NULL if
+ * none; `up_bias` only for gated tiles). */
+typedef struct {
+  float* y;
+  int64_t ldy, col;
+  int cols;
+  const float *bias, *up_bias;
+} tile_target;
+
+/* Fills rows[] with weight tile t's NR rows (rows[0] NULL past the end) and *target with its outputs. */
+typedef void (*tile_fn)(const void* call, int64_t t, const float* rows[LIN_NR], tile_target* target);
+
+/* Stores rows m..m+count of a tile's products out[j][i] (i < count) at its target. */
+typedef void (*emit_fn)(const tile_target* target, int64_t m, int count, tile_block out);
 
 /* One weight tile against every row of x (panels from xp, then the rest in pairs), handing each block to emit. */
 static inline __attribute__((always_inline)) void tile_times_x(const float* x, int64_t ldx, const float* xp,
                                                                int64_t M, int64_t K, const float* const* rows,
                                                                const float* const* next, emit_fn emit,
-                                                               const void* ctx, int64_t tile) {
+                                                               const tile_target* target) {
   const int64_t panels = M / PANEL, packed = panels * PANEL;
   tile_block out = {{0}};
   for (int64_t p = 0; p < panels; ++p) {
     panel_dots(xp + p * PANEL * K, rows, p == 0 ? next : 0, K, out);
-    emit(ctx, tile, p * PANEL, PANEL, out);
+    emit(target, p * PANEL, PANEL, out);
   }
   for (int64_t m = packed; m < M; m += LIN_MR) {
     const float* const* ahead = m == 0 ? next : 0;
@@ -139,7 +151,26 @@ static inline __attribute__((always_inline)) void tile_times_x(const float* x, i
     else pair_dots(x + m * ldx, ldx, rows, ahead, K, 1, s);
     for (int i = 0; i < mr; ++i)
       for (int j = 0; j < LIN_NR; ++j) out[j][i] = s[i][j];
-    emit(ctx, tile, m, mr, out);
+    emit(target, m, mr, out);
+  }
+}
+
+/* Both entry points: pack x's panels (threads share the work), then split the weight tiles between
+ * the threads, each tile against all of x while the tile LIN_PF ahead is prefetched. */
+static inline __attribute__((always_inline)) void run_tiles(const float* x, int64_t ldx, int64_t M, int64_t K,
+                                                            float* xp, int threads, int64_t tiles,
+                                                            const void* call, tile_fn tile_rows, emit_fn emit) {
+  _Pragma("omp parallel num_threads(threads)") {
+    pack_panels(x, ldx, M / PANEL, K, xp, omp_get_thread_num(), omp_get_num_threads());
+    _Pragma("omp barrier")
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < tiles; ++t) {
+      const float *rows[LIN_NR], *next[LIN_NR];
+      tile_target target, unused;
+      tile_rows(call, t, rows, &target);
+      tile_rows(call, t + LIN_PF, next, &unused);
+      tile_times_x(x, ldx, xp, M, K, rows, next[0] ? next : 0, emit, &target);
+    }
   }
 }
 
@@ -154,11 +185,9 @@ typedef struct {
   int64_t ldy;
 } linear_call;
 
-/* Rows of tile t (NR rows at a time within each segment, the last repeated to fill a short tile):
- * fills rows[], the output column and the bias of its first row (NULL if none); returns the real
- * row count, 0 past the end (rows[0] NULL). */
-static int segment_tile(const linear_call* c, int64_t t, const float* rows[LIN_NR], int64_t* col,
-                        const float** bias) {
+/* Tile t takes NR rows at a time within each segment; a short tile repeats its last row. */
+static void segment_tile(const void* call, int64_t t, const float* rows[LIN_NR], tile_target* target) {
+  const linear_call* c = call;
   int64_t first_col = 0;
   for (int s = 0; s < c->count; ++s) {
     const int64_t tiles = (c->n[s] + LIN_NR - 1) / LIN_NR;
@@ -166,26 +195,20 @@ static int segment_tile(const linear_call* c, int64_t t, const float* rows[LIN_N
       const int64_t n = t * LIN_NR;
       const int nr = (int)(c->n[s] - n < LIN_NR ? c->n[s] - n : LIN_NR);
       for (int j = 0; j < LIN_NR; ++j) rows[j] = c->w[s] + (n + (j < nr ? j : nr - 1)) * c->K;
-      *col = first_col + n;
-      *bias = c->bias[s] ? c->bias[s] + n : 0;
-      return nr;
+      *target = (tile_target){c->y, c->ldy, first_col + n, nr, c->bias[s] ? c->bias[s] + n : 0, 0};
+      return;
     }
     t -= tiles;
     first_col += c->n[s];
   }
   rows[0] = 0;
-  return 0;
 }
 
-static void emit_linear(const void* ctx, int64_t tile, int64_t m, int count, tile_block out) {
-  const linear_call* c = ctx;
-  const float* rows[LIN_NR];
-  const float* b;
-  int64_t col;
-  const int nr = segment_tile(c, tile, rows, &col, &b);
+static void emit_linear(const tile_target* target, int64_t m, int count, tile_block out) {
+  const float* b = target->bias;
   for (int i = 0; i < count; ++i) {
-    float* y = c->y + (m + i) * c->ldy + col;
-    for (int j = 0; j < nr; ++j) y[j] = b ? out[j][i] + b[j] : out[j][i];
+    float* y = target->y + (m + i) * target->ldy + target->col;
+    for (int j = 0; j < target->cols; ++j) y[j] = b ? out[j][i] + b[j] : out[j][i];
   }
 }
 
@@ -195,18 +218,7 @@ void linear_f32(const float* x, int64_t ldx, int count, const float* const* w, c
   const linear_call c = {count, w, bias, n, K, y, ldy};
   int64_t tiles = 0;
   for (int s = 0; s < count; ++s) tiles += (n[s] + LIN_NR - 1) / LIN_NR;
-  _Pragma("omp parallel num_threads(threads)") {
-    pack_panels(x, ldx, M / PANEL, K, xp, omp_get_thread_num(), omp_get_num_threads());
-    _Pragma("omp barrier")
-    _Pragma("omp for schedule(static)")
-    for (int64_t t = 0; t < tiles; ++t) {
-      const float *rows[LIN_NR], *next[LIN_NR], *b;
-      int64_t col;
-      segment_tile(&c, t, rows, &col, &b);
-      segment_tile(&c, t + LIN_PF, next, &col, &b);
-      tile_times_x(x, ldx, xp, M, K, rows, next[0] ? next : 0, emit_linear, &c, t);
-    }
-  }
+  run_tiles(x, ldx, M, K, xp, threads, tiles, &c, segment_tile, emit_linear);
 }
 
 /* The weights of a gated_silu_f32 call. */
@@ -219,12 +231,13 @@ typedef struct {
 
 #define GATED_COLS (LIN_NR / 2) /* a tile holds gate rows n.. in its first half, the matching up rows in its second */
 
-/* Rows of gated tile t (a short tile repeats its last gate and up rows); returns the real column count. */
-static int gated_tile(const gated_call* c, int64_t t, const float* rows[LIN_NR]) {
+/* Gate rows n..n+GATED_COLS of tile t and the matching up rows; a short tile repeats its last pair. */
+static void gated_tile(const void* call, int64_t t, const float* rows[LIN_NR], tile_target* target) {
+  const gated_call* c = call;
   const int64_t n = t * GATED_COLS;
   if (n >= c->N) {
     rows[0] = 0;
-    return 0;
+    return;
   }
   const int cols = (int)(c->N - n < GATED_COLS ? c->N - n : GATED_COLS);
   for (int j = 0; j < GATED_COLS; ++j) {
@@ -232,40 +245,26 @@ static int gated_tile(const gated_call* c, int64_t t, const float* rows[LIN_NR])
     rows[j] = c->wg + row * c->K;
     rows[GATED_COLS + j] = c->wu + row * c->K;
   }
-  return cols;
+  *target = (tile_target){c->y, c->ldy, n, cols, c->bg ? c->bg + n : 0, c->bu ? c->bu + n : 0};
 }
 
 /* silu(g) * u for 8 lanes: g / (1 + exp(-g)) * u, as torch computes silu. */
 static inline v8f silu_mul8(v8f g, v8f u) { return g / (splat(1.f) + exp8(-g)) * u; }
 
-static void emit_gated(const void* ctx, int64_t tile, int64_t m, int count, tile_block out) {
-  const gated_call* c = ctx;
-  const int64_t n = tile * GATED_COLS;
-  const int cols = (int)(c->N - n < GATED_COLS ? c->N - n : GATED_COLS);
-  for (int j = 0; j < cols; ++j)
+static void emit_gated(const tile_target* target, int64_t m, int count, tile_block out) {
+  for (int j = 0; j < target->cols; ++j)
     for (int half = 0; half < PANEL; half += 8) {
-      const v8f g = load_f32(out[j] + half) + splat(c->bg ? c->bg[n + j] : 0.f);
-      const v8f u = load_f32(out[GATED_COLS + j] + half) + splat(c->bu ? c->bu[n + j] : 0.f);
+      const v8f g = load_f32(out[j] + half) + splat(target->bias ? target->bias[j] : 0.f);
+      const v8f u = load_f32(out[GATED_COLS + j] + half) + splat(target->up_bias ? target->up_bias[j] : 0.f);
       store_f32(out[j] + half, silu_mul8(g, u));
     }
   for (int i = 0; i < count; ++i)
-    for (int j = 0; j < cols; ++j) c->y[(m + i) * c->ldy + n + j] = out[j][i];
+    for (int j = 0; j < target->cols; ++j) target->y[(m + i) * target->ldy + target->col + j] = out[j][i];
 }
 
 void gated_silu_f32(const float* x, int64_t ldx, const float* wg, const float* wu, const float* bg,
                     const float* bu, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K, float* xp,
                     int threads) {
   const gated_call c = {wg, wu, bg, bu, N, K, y, ldy};
-  const int64_t tiles = (N + GATED_COLS - 1) / GATED_COLS;
-  _Pragma("omp parallel num_threads(threads)") {
-    pack_panels(x, ldx, M / PANEL, K, xp, omp_get_thread_num(), omp_get_num_threads());
-    _Pragma("omp barrier")
-    _Pragma("omp for schedule(static)")
-    for (int64_t t = 0; t < tiles; ++t) {
-      const float *rows[LIN_NR], *next[LIN_NR];
-      gated_tile(&c, t, rows);
-      gated_tile(&c, t + LIN_PF, next);
-      tile_times_x(x, ldx, xp, M, K, rows, next[0] ? next : 0, emit_gated, &c, t);
-    }
-  }
+  run_tiles(x, ldx, M, K, xp, threads, (N + GATED_COLS - 1) / GATED_COLS, &c, gated_tile, emit_gated);
 }
