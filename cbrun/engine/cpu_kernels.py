@@ -73,6 +73,9 @@ def _compile(sources: list[Path], target: Path) -> None:
         os.replace(built, target)  # atomic: concurrent builders never see half a file
 
 
+_PANEL_ROWS = 16  # rows of x per packed panel (PANEL in csrc/linear.c)
+
+
 class CpuKernels:
     """ctypes bindings of the compiled kernels: paged decode attention, K/V writes, sampling, linear
     layers, and the fused decoder layers' norm, rotary and activation."""
@@ -182,7 +185,7 @@ class CpuKernels:
 
     def _panel_scratch(self, rows: int, inner: int) -> torch.Tensor:
         """Room for the linear kernels' packed copy of x (whole 16-row panels), kept per thread and grown on demand."""
-        needed = max(1, rows // 16 * 16 * inner)
+        needed = max(1, rows // _PANEL_ROWS * _PANEL_ROWS * inner)
         scratch = getattr(self._local, "panels", None)
         if scratch is None or scratch.numel() < needed:
             scratch = self._local.panels = torch.empty(needed, dtype=torch.float32)
