@@ -36,8 +36,49 @@ def test_small_groups_are_left_to_the_kernel():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_kernel_continuing_from_the_shared_state_equals_one_pass(dtype, tol):
+@pytest.mark.parametrize("heads,kv_heads,dim,page,pages,rows", [
+    (9, 3, 64, 16, 32, 40),  # the default model's shape: 120 query rows, 7 full panels and a part
+    (6, 2, 32, 8, 5, 7),  # 40 keys (not a multiple of the 6-key tile), one short panel
+    (4, 4, 16, 4, 1, 3),  # one query head per KV head, a single page
+    (8, 1, 40, 4, 3, 2),  # a head size that is not a multiple of the 6-column tile
+])
+def test_compiled_shared_prefix_equals_the_torch_path(heads, kv_heads, dim, page, pages, rows):
+    torch.manual_seed(1)
+    blocks, batch = 50, rows + 5
+    k_pool, v_pool = torch.randn(kv_heads, blocks, page, dim), torch.randn(kv_heads, blocks, page, dim)
+    q = torch.randn(batch, heads, dim)
+    group = SharedPrefix(torch.randperm(batch)[:rows], torch.randperm(blocks)[:pages])
+    expected = attend_shared_prefixes(q, k_pool, v_pool, [group], 0.2)
+    calls = []
+
+    def compiled(*args):
+        calls.append(kernels.shared_prefix(*args))
+        return calls[-1]
+
+    got = attend_shared_prefixes(q, k_pool, v_pool, [group], 0.2, compiled)
+    assert calls == [True]
+    assert torch.equal(torch.isinf(got[0]), torch.isinf(expected[0]))  # rows outside the group untouched
+    assert torch.allclose(got[0], expected[0], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got[1], expected[1], atol=1e-4, rtol=1e-5)
+    assert torch.allclose(got[2], expected[2], atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+def test_compiled_shared_prefix_declines_bf16_and_the_torch_path_runs():
+    torch.manual_seed(2)
+    k_pool, v_pool = torch.randn(2, 20, 8, 16).bfloat16(), torch.randn(2, 20, 8, 16).bfloat16()
+    q = torch.randn(6, 4, 16).bfloat16()
+    group = SharedPrefix(torch.arange(5), torch.tensor([3, 9]))
+    expected = attend_shared_prefixes(q, k_pool, v_pool, [group], 0.3)
+    got = attend_shared_prefixes(q, k_pool, v_pool, [group], 0.3, kernels.shared_prefix)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,tol,compiled", [(torch.float32, 1e-5, False), (torch.float32, 1e-5, True),
+                                                (torch.bfloat16, 2e-2, False)])
+def test_kernel_continuing_from_the_shared_state_equals_one_pass(dtype, tol, compiled):
     torch.manual_seed(0)
     heads, kv_heads, dim, page, blocks, rows, pages = 6, 2, 32, 8, 120, 10, 9
     k_pool = torch.randn(kv_heads, blocks, page, dim).to(dtype)
@@ -50,7 +91,7 @@ def test_kernel_continuing_from_the_shared_state_equals_one_pass(dtype, tol):
     expected = kernels.decode(q, k_pool, v_pool, tables, kv_len, zeros, zeros, 0.3)
     group = SharedPrefix(torch.arange(7), tables[0, :5].clone())
     lo = torch.tensor([40] * 7 + [0] * 3)
-    state = attend_shared_prefixes(q, k_pool, v_pool, [group], 0.3)
+    state = attend_shared_prefixes(q, k_pool, v_pool, [group], 0.3, kernels.shared_prefix if compiled else None)
     got = kernels.decode(q, k_pool, v_pool, tables, kv_len, lo, zeros, 0.3, state)
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
 
@@ -74,13 +115,23 @@ def test_engine_output_is_the_same_with_shared_prefix_attention(tiny_llama_dir, 
         return original(*args)
 
     import cbrun.engine.attention as attention
+    from cbrun.engine.cpu_kernels import CpuKernels
     monkeypatch.setattr(attention, "attend_shared_prefixes", counting)
+    compiled_calls = []
+    original_kernel = CpuKernels.shared_prefix
+
+    def counting_kernel(self, *args):
+        compiled_calls.append(original_kernel(self, *args))
+        return compiled_calls[-1]
+
+    monkeypatch.setattr(CpuKernels, "shared_prefix", counting_kernel)  # taken by engines built from here on
     monkeypatch.setattr(shared_prefix, "MIN_ROW_KEYS", 10**9)  # off
     plain = run_engine(model, tokenizer, prompts, [24] * len(prompts), config)
     assert not calls
     monkeypatch.setattr(shared_prefix, "MIN_ROW_KEYS", 0)  # on for every group of MIN_ROWS
     cascaded = run_engine(model, tokenizer, prompts, [24] * len(prompts), config)
     assert calls  # the shared-prefix path ran
+    assert compiled_calls and all(compiled_calls)  # through the compiled kernel (fp32)
     for a, b in zip(plain, cascaded):
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)

@@ -44,7 +44,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         q = query[0, :, : batch.num_rows]  # [H, R, D]
         if batch.decode_kernel is not None:
             out[: batch.num_rows] = _decode_with_kernel(batch.decode_kernel, q.transpose(0, 1).contiguous(),
-                                                        k_pool, v_pool, layout.decode, scale)
+                                                        k_pool, v_pool, layout.decode, scale, batch.shared_kernel)
         else:
             out[: batch.num_rows] = _decode(q, k_pool, v_pool, layout.decode, scale)
     for seq in layout.prefills:
@@ -59,11 +59,12 @@ def _write(k_pool, v_pool, key, value, slots) -> None:
     v_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, value)
 
 
-def _decode_with_kernel(kernel, q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float) -> torch.Tensor:
+def _decode_with_kernel(kernel, q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float,
+                        shared_kernel=None) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; rows sharing a prefix attend to it together first (shared_prefix.py)."""
     if not layout.shared:
         return kernel(q, k_pool, v_pool, layout.tables, layout.kv_len, layout.kv_lo, layout.first_page, scale)
-    state = attend_shared_prefixes(q, k_pool, v_pool, layout.shared, scale)
+    state = attend_shared_prefixes(q, k_pool, v_pool, layout.shared, scale, shared_kernel)
     return kernel(q, k_pool, v_pool, layout.tables, layout.kv_len, layout.shared_lo, layout.first_page, scale,
                   state)
 

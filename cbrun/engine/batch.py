@@ -81,6 +81,7 @@ class PagedBatch:
     layer_groups: tuple[str, ...]  # attention type of each layer: "full" or "sliding"
     decode_kernel: object | None = None  # compiled CPU decode attention, when available
     write_kernel: object | None = None  # compiled CPU K/V write, when available
+    shared_kernel: object | None = None  # compiled CPU shared-prefix attention (fp32), when available
 
     @property
     def num_tokens(self) -> int:
@@ -95,9 +96,10 @@ class BatchBuilder:
 
     def __init__(self, cache: KVCacheManager, store: KVStore, layer_groups: tuple[str, ...],
                  page_size: int, sliding_window: int | None, device: torch.device,
-                 decode_kernel=None, write_kernel=None) -> None:
+                 decode_kernel=None, write_kernel=None, shared_kernel=None) -> None:
         self.decode_kernel = decode_kernel
         self.write_kernel = write_kernel
+        self.shared_kernel = shared_kernel
         self.torch_decode = decode_kernel is None  # build the gather/bias form for the torch path
         self.cache = cache
         self.store = store
@@ -135,6 +137,7 @@ class BatchBuilder:
             layer_groups=self.layer_groups,
             decode_kernel=self.decode_kernel,
             write_kernel=self.write_kernel,
+            shared_kernel=self.shared_kernel,
         )
 
     # -- per attention type -------------------------------------------------

@@ -80,7 +80,8 @@ class EngineCore:
         self.fused_layers = install_fused_layers(model, self.kernels)
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
                                     self.spec.sliding_window, self.device, self._decode_kernel(),
-                                    self.kernels.write_kv if self.kernels is not None else None)
+                                    self.kernels.write_kv if self.kernels is not None else None,
+                                    self.kernels.shared_prefix if self.kernels is not None else None)
         self.runner = ModelRunner(model, self.kernels)
         self.detok = Detokenizer(tokenizer)
         self._stats = StatsSnapshot(blocks_total=num_blocks)

@@ -92,6 +92,8 @@ class CpuKernels:
         self.rmsnorm_function = library.rmsnorm_f32
         self.rope_function = library.rope_f32
         self.silu_mul_function = library.silu_mul_f32
+        self.shared_prefix_function = library.shared_prefix_f32
+        self.shared_prefix_function.restype = ctypes.c_int
         for function in (*self.decode_functions.values(), self.write_function, self.sample_function,
                          self.linear_function, self.gated_function, self.rmsnorm_function, self.rope_function,
                          self.silu_mul_function):
@@ -121,6 +123,28 @@ class CpuKernels:
             _i64(tables.shape[1]), ctypes.c_float(scale), ctypes.c_int(torch.get_num_threads()), m0, l0, acc0,
         )
         return out
+
+    def shared_prefix(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                      pages: torch.Tensor, scale: float, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+        """Softmax state of q's `rows` over the keys of `pages` (the same for all of them), written into
+        `state` = (max [B, H], sum [B, H], unnormalized output [B, H, D]) at those rows.
+
+        fp32 only: q [B, H, D], pools [H_kv, NB, P, D], all contiguous; rows [R], pages [S] int64.
+        Returns False, with nothing written, if the kernel could not run (out of memory, or an
+        input it does not take); the caller then uses the torch path.
+        """
+        tensors = (q, k_pool, v_pool, *state)
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or q.shape[-1] < 8:
+            return False
+        rows, pages = rows.contiguous(), pages.contiguous()
+        batch, heads, dim = q.shape
+        num_kv, num_blocks, page, _ = k_pool.shape
+        top, total, acc = state
+        return self.shared_prefix_function(
+            _ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(rows), _i64(rows.numel()), _ptr(pages), _i64(pages.numel()),
+            _i64(heads), _i64(num_kv), _i64(num_blocks), _i64(page), _i64(dim), ctypes.c_float(scale),
+            _ptr(top), _ptr(total), _ptr(acc), ctypes.c_int(torch.get_num_threads()),
+        ) == 0
 
     def write_kv(self, pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy `new` [H_kv, T, D] (unit stride along D) into `pool` [H_kv, NB, P, D] at flat `slots` [T]."""

@@ -34,73 +34,36 @@
  * Both take `xp`, scratch for (M / 16) * 16 * K floats (the packed panels).
  */
 #include "vec.h"
+#include "panel.h"
 
 #define LIN_MR 2     /* rows of x per dot-product step */
-#define LIN_NR 6     /* weight rows per tile */
-#define PANEL 16     /* rows of x per packed panel */
 #define LIN_PF 2     /* tiles ahead to prefetch */
 #define MAX_SEGMENTS 8
-
-/* out[j][i] = dot(x row i, weight row j) for one tile: a block of up to PANEL rows of x */
-typedef float tile_block[LIN_NR][PANEL];
-
-/* Prefetch the cache line holding float k of each of the NR weight rows `ahead` into L2. Issued
- * one line per row every 16 k inside a tile's first row step, it keeps a few misses in flight at
- * a time: prefetching a whole tile in bursts between steps stalled the loads behind it (the
- * kernel ran 25-35% slower at 16-48 rows, measured). */
-static inline void prefetch_line(const float* const* ahead, int64_t k) {
-  for (int j = 0; j < LIN_NR; ++j) __builtin_prefetch(ahead[j] + k, 0, 2);
-}
 
 /* s[i][j] = dot(x row i, weight row j) over K, for mr <= MR rows of x (stride ldx). */
 static inline __attribute__((always_inline)) void pair_dots(const float* x, int64_t ldx, const float* const* w,
                                                             const float* const* ahead, int64_t K, int mr,
-                                                            float s[LIN_MR][LIN_NR]) {
-  v8f acc[LIN_MR][LIN_NR];
+                                                            float s[LIN_MR][TILE_NR]) {
+  v8f acc[LIN_MR][TILE_NR];
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < LIN_NR; ++j) acc[i][j] = splat(0.f);
+    for (int j = 0; j < TILE_NR; ++j) acc[i][j] = splat(0.f);
   const int64_t K8 = K & ~(int64_t)7;
   for (int64_t k = 0; k < K8; k += 8) {
     if (ahead && (k & 15) == 0) prefetch_line(ahead, k);
     v8f xv[LIN_MR];
     for (int i = 0; i < mr; ++i) xv[i] = load_f32(x + i * ldx + k);
-    for (int j = 0; j < LIN_NR; ++j) {
+    for (int j = 0; j < TILE_NR; ++j) {
       v8f wv = load_f32(w[j] + k);
       KEEP_IN_REGISTER(wv);
       for (int i = 0; i < mr; ++i) acc[i][j] += xv[i] * wv;
     }
   }
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < LIN_NR; ++j) {
+    for (int j = 0; j < TILE_NR; ++j) {
       float sum = hsum(acc[i][j]);
       for (int64_t k = K8; k < K; ++k) sum += x[i * ldx + k] * w[j][k];
       s[i][j] = sum;
     }
-}
-
-/* out[j][i] for the PANEL rows packed k-major at xp ([K][PANEL]). */
-static inline __attribute__((always_inline)) void panel_dots(const float* xp, const float* const* w,
-                                                             const float* const* ahead, int64_t K, tile_block out) {
-  v8f acc[LIN_NR][2];
-  for (int j = 0; j < LIN_NR; ++j) acc[j][0] = acc[j][1] = splat(0.f);
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    if (ahead) prefetch_line(ahead, k0);
-    const int64_t k1 = k0 + 16 < K ? k0 + 16 : K;
-    for (int64_t k = k0; k < k1; ++k) {
-      v8f x0 = load_f32(xp + k * PANEL), x1 = load_f32(xp + k * PANEL + 8);
-      KEEP_IN_REGISTER(x0);
-      KEEP_IN_REGISTER(x1);
-      for (int j = 0; j < LIN_NR; ++j) {
-        const v8f wk = splat(w[j][k]);
-        acc[j][0] += wk * x0;
-        acc[j][1] += wk * x1;
-      }
-    }
-  }
-  for (int j = 0; j < LIN_NR; ++j) {
-    store_f32(out[j], acc[j][0]);
-    store_f32(out[j] + 8, acc[j][1]);
-  }
 }
 
 /* Copy rows [0, panels * PANEL) of x into k-major panels, this thread's share (every threads-th panel). */
@@ -127,7 +90,7 @@ typedef struct {
 } tile_target;
 
 /* Fills rows[] with weight tile t's NR rows (rows[0] NULL past the end) and *target with its outputs. */
-typedef void (*tile_fn)(const void* call, int64_t t, const float* rows[LIN_NR], tile_target* target);
+typedef void (*tile_fn)(const void* call, int64_t t, const float* rows[TILE_NR], tile_target* target);
 
 /* Stores rows m..m+count of a tile's products out[j][i] (i < count) at its target. */
 typedef void (*emit_fn)(const tile_target* target, int64_t m, int count, tile_block out);
@@ -145,12 +108,12 @@ static inline __attribute__((always_inline)) void tile_times_x(const float* x, i
   }
   for (int64_t m = packed; m < M; m += LIN_MR) {
     const float* const* ahead = m == 0 ? next : 0;
-    float s[LIN_MR][LIN_NR];
+    float s[LIN_MR][TILE_NR];
     const int mr = M - m < LIN_MR ? (int)(M - m) : LIN_MR;
     if (mr == LIN_MR) pair_dots(x + m * ldx, ldx, rows, ahead, K, LIN_MR, s); /* constant mr: in registers */
     else pair_dots(x + m * ldx, ldx, rows, ahead, K, 1, s);
     for (int i = 0; i < mr; ++i)
-      for (int j = 0; j < LIN_NR; ++j) out[j][i] = s[i][j];
+      for (int j = 0; j < TILE_NR; ++j) out[j][i] = s[i][j];
     emit(target, m, mr, out);
   }
 }
@@ -165,7 +128,7 @@ static inline __attribute__((always_inline)) void run_tiles(const float* x, int6
     _Pragma("omp barrier")
     _Pragma("omp for schedule(static)")
     for (int64_t t = 0; t < tiles; ++t) {
-      const float *rows[LIN_NR], *next[LIN_NR];
+      const float *rows[TILE_NR], *next[TILE_NR];
       tile_target target, unused;
       tile_rows(call, t, rows, &target);
       tile_rows(call, t + LIN_PF, next, &unused);
@@ -186,15 +149,15 @@ typedef struct {
 } linear_call;
 
 /* Tile t takes NR rows at a time within each segment; a short tile repeats its last row. */
-static void segment_tile(const void* call, int64_t t, const float* rows[LIN_NR], tile_target* target) {
+static void segment_tile(const void* call, int64_t t, const float* rows[TILE_NR], tile_target* target) {
   const linear_call* c = call;
   int64_t first_col = 0;
   for (int s = 0; s < c->count; ++s) {
-    const int64_t tiles = (c->n[s] + LIN_NR - 1) / LIN_NR;
+    const int64_t tiles = (c->n[s] + TILE_NR - 1) / TILE_NR;
     if (t < tiles) {
-      const int64_t n = t * LIN_NR;
-      const int nr = (int)(c->n[s] - n < LIN_NR ? c->n[s] - n : LIN_NR);
-      for (int j = 0; j < LIN_NR; ++j) rows[j] = c->w[s] + (n + (j < nr ? j : nr - 1)) * c->K;
+      const int64_t n = t * TILE_NR;
+      const int nr = (int)(c->n[s] - n < TILE_NR ? c->n[s] - n : TILE_NR);
+      for (int j = 0; j < TILE_NR; ++j) rows[j] = c->w[s] + (n + (j < nr ? j : nr - 1)) * c->K;
       *target = (tile_target){c->y, c->ldy, first_col + n, nr, c->bias[s] ? c->bias[s] + n : 0, 0};
       return;
     }
@@ -217,7 +180,7 @@ void linear_f32(const float* x, int64_t ldx, int count, const float* const* w, c
   if (count > MAX_SEGMENTS) return;
   const linear_call c = {count, w, bias, n, K, y, ldy};
   int64_t tiles = 0;
-  for (int s = 0; s < count; ++s) tiles += (n[s] + LIN_NR - 1) / LIN_NR;
+  for (int s = 0; s < count; ++s) tiles += (n[s] + TILE_NR - 1) / TILE_NR;
   run_tiles(x, ldx, M, K, xp, threads, tiles, &c, segment_tile, emit_linear);
 }
 
@@ -229,10 +192,10 @@ typedef struct {
   int64_t ldy;
 } gated_call;
 
-#define GATED_COLS (LIN_NR / 2) /* a tile holds gate rows n.. in its first half, the matching up rows in its second */
+#define GATED_COLS (TILE_NR / 2) /* a tile holds gate rows n.. in its first half, the matching up rows in its second */
 
 /* Gate rows n..n+GATED_COLS of tile t and the matching up rows; a short tile repeats its last pair. */
-static void gated_tile(const void* call, int64_t t, const float* rows[LIN_NR], tile_target* target) {
+static void gated_tile(const void* call, int64_t t, const float* rows[TILE_NR], tile_target* target) {
   const gated_call* c = call;
   const int64_t n = t * GATED_COLS;
   if (n >= c->N) {
