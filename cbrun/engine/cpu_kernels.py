@@ -3,6 +3,8 @@
 - Decode attention reads keys and values in place from the page pool, in one
   pass with an online softmax; the torch path first gathers every row's
   pages into a padded copy (about three times the memory traffic).
+- Shared-prefix attention (many rows over the same cached pages) runs both
+  products and the softmax per panel of 16 query rows in cache.
 - K/V writes copy each new token's rows straight to its slot.
 - Sampling computes argmax, log-sum-exp and the inverse-CDF draw of each
   logits row in one parallel pass, where torch needs several full passes.
@@ -73,7 +75,7 @@ def _compile(sources: list[Path], target: Path) -> None:
         os.replace(built, target)  # atomic: concurrent builders never see half a file
 
 
-_PANEL_ROWS = 16  # rows of x per packed panel (PANEL in csrc/linear.c)
+_PANEL_ROWS = 16  # rows of x per packed panel (PANEL in csrc/panel.h)
 
 
 class CpuKernels:
