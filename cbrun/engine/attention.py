@@ -8,7 +8,8 @@ once per layer with the new tokens' projections:
 The function writes the new K/V into the layer's page pool, then attends:
 all single-query sequences (decodes) in one batched call over their gathered
 pages with a key bias, and each prefill chunk with SDPA (plain causal when
-the chunk has no cached prefix, else an explicit bottom-right causal mask).
+the chunk has no cached prefix, else an explicit bottom-right causal mask),
+or in fp32 on CPU with the compiled kernel when the chunk is plain causal.
 transformers builds no mask for our name, so the engine owns causality.
 """
 
@@ -48,7 +49,11 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         else:
             out[: batch.num_rows] = _decode(q, k_pool, v_pool, layout.decode, scale)
     for seq in layout.prefills:
-        out[seq.start: seq.end] = _prefill(query, key, value, k_pool, v_pool, seq, scale)
+        attended = None
+        if batch.prefill_kernel is not None and seq.causal_from is not None:
+            attended = _prefill_with_kernel(batch.prefill_kernel, query, key, value, k_pool, v_pool, seq, scale)
+        out[seq.start: seq.end] = attended if attended is not None else \
+            _prefill(query, key, value, k_pool, v_pool, seq, scale)
     return out.unsqueeze(0), None
 
 
@@ -82,6 +87,15 @@ def _decode(q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [H_kv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads, dim)
+
+
+def _prefill_with_kernel(kernel, query, key, value, k_pool, v_pool, seq: PrefillSeq,
+                         scale: float) -> torch.Tensor | None:
+    """A plain causal chunk through the compiled kernel: [q, H, D], or None if it declines."""
+    q = query[0, :, seq.start: seq.end].transpose(0, 1).contiguous()  # [q, H, D]
+    if seq.new_kv_only:
+        return kernel(q, key[0, :, seq.start: seq.end], value[0, :, seq.start: seq.end], scale, 0)
+    return kernel(q, k_pool, v_pool, scale, seq.causal_from, seq.pages)
 
 
 def _prefill(query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float) -> torch.Tensor:

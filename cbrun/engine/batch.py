@@ -37,6 +37,7 @@ class PrefillSeq:
     new_kv_only: bool  # context is exactly this chunk's own keys (no cached prefix)
     pages: torch.Tensor | None  # [num_pages] block ids to gather when not new_kv_only
     mask: torch.Tensor | None  # [q_len, kv_len] bool (True = attend); None = plain causal
+    causal_from: int | None = None  # position of the first query when plain causal over keys from 0, else None
 
 
 @dataclass
@@ -82,6 +83,7 @@ class PagedBatch:
     decode_kernel: object | None = None  # compiled CPU decode attention, when available
     write_kernel: object | None = None  # compiled CPU K/V write, when available
     shared_kernel: object | None = None  # compiled CPU shared-prefix attention (fp32), when available
+    prefill_kernel: object | None = None  # compiled CPU causal prefill attention (fp32), when available
 
     @property
     def num_tokens(self) -> int:
@@ -96,10 +98,11 @@ class BatchBuilder:
 
     def __init__(self, cache: KVCacheManager, store: KVStore, layer_groups: tuple[str, ...],
                  page_size: int, sliding_window: int | None, device: torch.device,
-                 decode_kernel=None, write_kernel=None, shared_kernel=None) -> None:
+                 decode_kernel=None, write_kernel=None, shared_kernel=None, prefill_kernel=None) -> None:
         self.decode_kernel = decode_kernel
         self.write_kernel = write_kernel
         self.shared_kernel = shared_kernel
+        self.prefill_kernel = prefill_kernel
         self.torch_decode = decode_kernel is None  # build the gather/bias form for the torch path
         self.cache = cache
         self.store = store
@@ -138,6 +141,7 @@ class BatchBuilder:
             decode_kernel=self.decode_kernel,
             write_kernel=self.write_kernel,
             shared_kernel=self.shared_kernel,
+            prefill_kernel=self.prefill_kernel,
         )
 
     # -- per attention type -------------------------------------------------
@@ -200,11 +204,12 @@ class BatchBuilder:
             if window is not None and count > window:
                 key_pos = torch.arange(count)
                 mask = _causal_window(query_pos, key_pos, window).to(self.device)
-            return PrefillSeq(offset, offset + count, True, None, mask)
+            return PrefillSeq(offset, offset + count, True, None, mask, 0 if mask is None else None)
         key_pos = first * self.page_size + torch.arange(len(table) * self.page_size)  # [L]
         mask = _causal_window(query_pos, key_pos, window)
         pages = torch.tensor(table, dtype=torch.long, device=self.device)
-        return PrefillSeq(offset, offset + count, False, pages, mask.to(self.device))
+        plain = window is None and first == 0
+        return PrefillSeq(offset, offset + count, False, pages, mask.to(self.device), start if plain else None)
 
 
 def _causal_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:

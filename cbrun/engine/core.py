@@ -80,8 +80,7 @@ class EngineCore:
         self.fused_layers = install_fused_layers(model, self.kernels)
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
                                     self.spec.sliding_window, self.device, self._decode_kernel(),
-                                    self.kernels.write_kv if self.kernels is not None else None,
-                                    self.kernels.shared_prefix if self.kernels is not None else None)
+                                    *self._attention_kernels())
         self.runner = ModelRunner(model, self.kernels)
         self.detok = Detokenizer(tokenizer)
         self._stats = StatsSnapshot(blocks_total=num_blocks)
@@ -94,6 +93,12 @@ class EngineCore:
         uninstall(self.fast_linears)
         uninstall_fused_layers(self.fused_layers)
         self.fast_linears, self.fused_layers = [], []
+
+    def _attention_kernels(self) -> tuple:
+        """The compiled K/V write, shared-prefix and prefill attention, or Nones (torch paths)."""
+        if self.kernels is None:
+            return None, None, None
+        return self.kernels.write_kv, self.kernels.shared_prefix, self.kernels.prefill_attention
 
     def _decode_kernel(self):
         """The compiled CPU decode kernel when it applies to this model, else None (torch path)."""

@@ -95,7 +95,9 @@ class CpuKernels:
         self.rope_function = library.rope_f32
         self.silu_mul_function = library.silu_mul_f32
         self.shared_prefix_function = library.shared_prefix_f32
-        self.shared_prefix_function.restype = ctypes.c_int
+        self.prefill_function = library.prefill_attention_f32
+        for function in (self.shared_prefix_function, self.prefill_function):
+            function.restype = ctypes.c_int  # 0, or -1 when out of memory
         for function in (*self.decode_functions.values(), self.write_function, self.sample_function,
                          self.linear_function, self.gated_function, self.rmsnorm_function, self.rope_function,
                          self.silu_mul_function):
@@ -147,6 +149,35 @@ class CpuKernels:
             _i64(heads), _i64(num_kv), _i64(num_blocks), _i64(page), _i64(dim), ctypes.c_float(scale),
             _ptr(top), _ptr(total), _ptr(acc), ctypes.c_int(torch.get_num_threads()),
         ) == 0
+
+    def prefill_attention(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, start: int,
+                          pages: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Causal attention of a chunk's queries q [T, H, D] (positions start .. start + T - 1) over the
+        sequence's keys [0, start + T): from the pools `key`, `value` [H_kv, NB, P, D] through `pages`
+        [n] int64, or (start 0, pages None) the chunk's own key, value [H_kv, T, D]. fp32; returns
+        out [T, H, D], or None when the kernel declines (then the caller uses SDPA).
+        """
+        tokens, heads, dim = q.shape
+        if q.dtype != torch.float32 or key.dtype != torch.float32 or value.dtype != torch.float32 \
+                or not q.is_contiguous() or dim < 8 or key.stride(-1) != 1 or key.stride() != value.stride():
+            return None
+        if pages is not None:
+            if not (key.is_contiguous() and value.is_contiguous()):
+                return None
+            num_kv, num_blocks, page, _ = key.shape
+            pages, strides = pages.contiguous(), (0, 0)
+        else:
+            if start != 0:
+                return None
+            num_kv, num_blocks, page = key.shape[0], 0, 1
+            strides = (key.stride(0), key.stride(1))
+        out = torch.empty_like(q)
+        status = self.prefill_function(
+            _ptr(q), _ptr(key), _ptr(value), _optional_ptr(pages), _i64(num_blocks), _i64(page), _i64(strides[0]),
+            _i64(strides[1]), _i64(tokens), _i64(start), _i64(heads), _i64(num_kv), _i64(dim), ctypes.c_float(scale),
+            _ptr(out), ctypes.c_int(torch.get_num_threads()),
+        )
+        return out if status == 0 else None
 
     def write_kv(self, pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy `new` [H_kv, T, D] (unit stride along D) into `pool` [H_kv, NB, P, D] at flat `slots` [T]."""
