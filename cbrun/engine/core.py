@@ -95,9 +95,12 @@ class EngineCore:
         self.fast_linears, self.fused_layers = [], []
 
     def _attention_kernels(self) -> tuple:
-        """The compiled K/V write, shared-prefix and prefill attention, or Nones (torch paths)."""
+        """The compiled K/V write, and the shared-prefix and prefill attention (fp32 caches only), or
+        Nones where the torch paths run."""
         if self.kernels is None:
             return None, None, None
+        if self.spec.kv.dtype != torch.float32:
+            return self.kernels.write_kv, None, None
         return self.kernels.write_kv, self.kernels.shared_prefix, self.kernels.prefill_attention
 
     def _decode_kernel(self):

@@ -134,8 +134,8 @@ class CpuKernels:
         `state` = (max [B, H], sum [B, H], unnormalized output [B, H, D]) at those rows.
 
         fp32 only: q [B, H, D], pools [H_kv, NB, P, D], all contiguous; rows [R], pages [S] int64.
-        Returns False, with nothing written, if the kernel could not run (out of memory, or an
-        input it does not take); the caller then uses the torch path.
+        Returns False if the kernel could not run (out of memory, or an input it does not take);
+        the caller then computes the group with the torch path, which rewrites all of its rows.
         """
         tensors = (q, k_pool, v_pool, *state)
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or q.shape[-1] < 8:
