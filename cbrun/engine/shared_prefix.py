@@ -12,7 +12,7 @@ matrix products per KV head:
 and the decode kernel continues each row's softmax from that state over its
 own remaining keys (from `kv_lo` = L on). Exact up to float rounding: the
 two parts merge through the running max and sum, as in flash-decoding.
-In fp32 the compiled kernel (csrc/shared_prefix.c) does both products and
+In fp32 the compiled kernel (csrc/panel_attention.c) does both products and
 the softmax per panel of 16 query rows in cache, about twice torch's speed
 here; the torch path below is its reference and fallback.
 

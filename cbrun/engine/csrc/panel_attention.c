@@ -104,17 +104,18 @@ static void panel_softmax(const float* qp, const float* const* keys, int64_t L, 
 static void attend_panel(const float* q, const float* const* keys, const float* const* values, int64_t L,
                          int64_t D, float scale, const query_rows* qr, int64_t head, int64_t r0, int count,
                          float* qp, float* s, float* m, float* l, float* acc) {
+  int64_t at[PANEL]; /* each row's index into [rows, H] */
+  for (int i = 0; i < count; ++i) at[i] = query_offset(qr, head, r0 + i);
   for (int64_t d = 0; d < D; ++d) /* pack: qp[d][i], zero rows past the end */
-    for (int i = 0; i < PANEL; ++i) qp[d * PANEL + i] = i < count ? q[query_offset(qr, head, r0 + i) * D + d] * scale : 0.f;
+    for (int i = 0; i < PANEL; ++i) qp[d * PANEL + i] = i < count ? q[at[i] * D + d] * scale : 0.f;
   if (qr->causal_from >= 0) L = visible_keys(qr, r0 + count - 1, L); /* keys the panel's last row sees */
   v8f top[2], total[2];
   panel_softmax(qp, keys, L, D, qr, r0, s, top, total);
   float inverse[PANEL];
   for (int i = 0; i < count; ++i) {
-    const int64_t at = query_offset(qr, head, r0 + i);
     if (m) {
-      m[at] = top[i / 8][i % 8];
-      l[at] = total[i / 8][i % 8];
+      m[at[i]] = top[i / 8][i % 8];
+      l[at[i]] = total[i / 8][i % 8];
     }
     inverse[i] = m ? 1.f : 1.f / total[i / 8][i % 8];
   }
@@ -123,7 +124,7 @@ static void attend_panel(const float* q, const float* const* keys, const float* 
     const int64_t first = d0 + TILE_NR <= D ? d0 : D - TILE_NR; /* the last tile overlaps: no reads past a row */
     panel_by_columns(s, values, first, L, out);
     for (int i = 0; i < count; ++i) {
-      float* row = acc + query_offset(qr, head, r0 + i) * D + first;
+      float* row = acc + at[i] * D + first;
       for (int j = 0; j < TILE_NR; ++j) row[j] = out[j][i] * inverse[i];
     }
   }
@@ -160,22 +161,30 @@ static int attend_all(const float* q, const float** keys, int64_t L, int64_t Hkv
   return failed ? -1 : 0;
 }
 
+/* Both entry points: the row pointers of keys [0, L) of every KV head (head h's rows start
+ * head_offset * h floats into k and v; see key_rows), then the tasks. Returns 0, or -1. */
+static int attend_keys(const float* q, const float* k, const float* v, int64_t head_offset, const int64_t* pages,
+                       int64_t stride, int64_t L, int64_t P, int64_t Hkv, int64_t D, float scale,
+                       const query_rows* qr, int64_t count, float* m, float* l, float* acc, int threads) {
+  const float** pointers = malloc(sizeof(float*) * 2 * Hkv * L);
+  if (!pointers) return -1;
+  for (int64_t h = 0; h < Hkv; ++h) {
+    key_rows(k + h * head_offset, pages, stride, L, P, D, pointers + (2 * h) * L);
+    key_rows(v + h * head_offset, pages, stride, L, P, D, pointers + (2 * h + 1) * L);
+  }
+  const int status = attend_all(q, pointers, L, Hkv, D, scale, qr, count, m, l, acc, threads);
+  free(pointers);
+  return status;
+}
+
 /* Shared prefix: q [B, H, D]; pools [H_kv, NB, P, D]; rows [R] of q; pages [S] (L = S * P keys);
  * writes m, l [B, H] and acc [B, H, D] at those rows. Returns 0, or -1 (out of memory). */
 int shared_prefix_f32(const float* q, const float* k, const float* v, const int64_t* rows, int64_t R,
                       const int64_t* pages, int64_t S, int64_t H, int64_t Hkv, int64_t NB, int64_t P, int64_t D,
                       float scale, float* m, float* l, float* acc, int threads) {
-  const int64_t G = H / Hkv, L = S * P;
-  const float** pointers = malloc(sizeof(float*) * 2 * Hkv * L);
-  if (!pointers) return -1;
-  for (int64_t h = 0; h < Hkv; ++h) {
-    key_rows(k + h * NB * P * D, pages, 0, L, P, D, pointers + (2 * h) * L);
-    key_rows(v + h * NB * P * D, pages, 0, L, P, D, pointers + (2 * h + 1) * L);
-  }
-  const query_rows qr = {rows, G, H, -1};
-  const int status = attend_all(q, pointers, L, Hkv, D, scale, &qr, R * G, m, l, acc, threads);
-  free(pointers);
-  return status;
+  const query_rows qr = {rows, H / Hkv, H, -1};
+  return attend_keys(q, k, v, NB * P * D, pages, 0, S * P, P, Hkv, D, scale, &qr, R * (H / Hkv), m, l, acc,
+                     threads);
 }
 
 /* Causal prefill of T query tokens at positions [from, from + T) over keys [0, from + T): q and out
@@ -185,16 +194,7 @@ int shared_prefix_f32(const float* q, const float* k, const float* v, const int6
 int prefill_attention_f32(const float* q, const float* k, const float* v, const int64_t* pages, int64_t NB,
                           int64_t P, int64_t head_stride, int64_t token_stride, int64_t T, int64_t from, int64_t H,
                           int64_t Hkv, int64_t D, float scale, float* out, int threads) {
-  const int64_t G = H / Hkv, L = from + T;
-  const float** pointers = malloc(sizeof(float*) * 2 * Hkv * L);
-  if (!pointers) return -1;
-  for (int64_t h = 0; h < Hkv; ++h) {
-    const int64_t offset = pages ? h * NB * P * D : h * head_stride;
-    key_rows(k + offset, pages, token_stride, L, P, D, pointers + (2 * h) * L);
-    key_rows(v + offset, pages, token_stride, L, P, D, pointers + (2 * h + 1) * L);
-  }
-  const query_rows qr = {0, G, H, from};
-  const int status = attend_all(q, pointers, L, Hkv, D, scale, &qr, T * G, 0, 0, out, threads);
-  free(pointers);
-  return status;
+  const query_rows qr = {0, H / Hkv, H, from};
+  return attend_keys(q, k, v, pages ? NB * P * D : head_stride, pages, token_stride, from + T, P, Hkv, D, scale,
+                     &qr, T * (H / Hkv), 0, 0, out, threads);
 }
