@@ -17,12 +17,16 @@
  *              (a shared prefix attended for many rows at once)
  *
  * Work is split over (row, kv head) pairs. Each streams its keys and values
- * once, in chunks of up to 64 keys (spanning pages when pages are small),
+ * once, in segments of up to 64 keys (spanning pages when pages are small),
  * with an online softmax over its G = H / H_kv query heads (flash-decoding
- * style): scores of a chunk, 8 keys per transposing reduction, one rescale
- * of the running sum and accumulator, then the weighted values. The aim is
- * one pass over the pages at full vector width, with fp32 accumulation;
- * the next chunk is prefetched while one computes.
+ * style). Within a segment each page piece is scored for all G heads while it
+ * sits in L1, in register blocks of 3 heads x 4 keys that load every key
+ * vector once; then one softmax update per head; then each piece's values are
+ * added for all heads, in blocks of 3 heads x 32 dims that load every value
+ * vector once. (Scoring head by head over a whole segment re-read 32 KB per
+ * head from L2, which halved the FMA rate: in an engine run the blocked form
+ * spends 14% less time here, measured.) Runs of adjacent pages are left to the
+ * hardware prefetcher; a segment on pages that jump is prefetched one ahead.
  *
  * paged_write: store new tokens' K/V rows at their flat slots (any element size).
  */
@@ -37,8 +41,8 @@
 #define SEG 64      /* keys scored per online-softmax segment */
 #define MAX_G 64    /* query heads per kv head */
 
-/* Type-dependent pieces: a dot product with a key row, value rows added into
- * accumulators, and the output store. C = D / 8 vectors per head row. */
+/* A dot product with one key row (for the keys left over from whole score blocks).
+ * C = D / 8 vectors per head row. */
 #define DEFINE_ROW_OPS(SUFFIX, T, LOADV)                                                               \
   static inline float dot_##SUFFIX(const v8f* q, const T* key, int64_t C) {                            \
     v8f a0 = splat(0.f), a1 = splat(0.f);                                                             \
@@ -49,28 +53,6 @@
     }                                                                                                  \
     if (c < C) a0 += q[c] * LOADV(key + c * 8);                                                        \
     return hsum(a0 + a1);                                                                              \
-  }                                                                                                    \
-  /* scores of 8 consecutive keys: 8 independent FMA chains, one transposing reduction */               \
-  static inline v8f dot8_##SUFFIX(const v8f* q, const T* keys, int64_t C) {                            \
-    v8f a[8];                                                                                          \
-    for (int j = 0; j < 8; ++j) a[j] = splat(0.f);                                                     \
-    for (int64_t c = 0; c < C; ++c) {                                                                  \
-      const v8f qc = q[c];                                                                             \
-      for (int j = 0; j < 8; ++j) a[j] += qc * LOADV(keys + j * C * 8 + c * 8);                        \
-    }                                                                                                  \
-    return reduce8(a);                                                                                 \
-  }                                                                                                    \
-  /* acc[C] += sum_j w[j] * values[j] */                                                                \
-  static inline void accumulate_##SUFFIX(v8f* restrict acc, const float* w, const T* values, int64_t n,  \
-                                         int64_t C) {                                                  \
-    v8f a[MAX_GD / 8];                                                                                 \
-    for (int64_t c = 0; c < C; ++c) a[c] = acc[c];                                                     \
-    for (int64_t j = 0; j < n; ++j) {                                                                  \
-      const v8f weight = splat(w[j]);                                                                  \
-      const T* row = values + j * C * 8;                                                               \
-      for (int64_t c = 0; c < C; ++c) a[c] += weight * LOADV(row + c * 8);                             \
-    }                                                                                                  \
-    for (int64_t c = 0; c < C; ++c) acc[c] = a[c];                                                     \
   }
 
 DEFINE_ROW_OPS(f32, float, load_f32)
@@ -114,8 +96,92 @@ static inline float online_softmax(float* s, int64_t n, float* m, float* l) {
   return correction;
 }
 
-/* One (row, kv head): G query heads against keys [lo, hi) of one sequence,
- * in segments of at most SEG keys that never cross a page. */
+/* Whether the chunk of up to SEG keys at `start` lies on a page that does not follow its predecessor in
+ * the pool (the hardware prefetcher follows runs of adjacent pages, not jumps). */
+static inline int scattered(const int64_t* table, int64_t first, int64_t start, int64_t hi, int64_t P) {
+  const int64_t end = hi - start < SEG ? hi : start + SEG;
+  for (int64_t page = start / P - first; page <= (end - 1) / P - first; ++page)
+    if (page > 0 && table[page] != table[page - 1] + 1) return 1;
+  return 0;
+}
+
+/* Register blocks: HB query heads share every key and value vector loaded, KB keys
+ * are scored at a time (HB * KB accumulators) and values are summed VB vectors
+ * (8 * VB dims) at a time (HB * VB accumulators). */
+#define HB 3
+#define KB 4
+#define VB 4
+
+/* [sum(a[0]), ..., sum(a[3])] in lanes 0..3 (lanes 4..7 repeat them). */
+static inline v8f reduce4(const v8f* a) {
+  const v8f s01 = SHUFFLE(a[0], a[1], 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(a[0], a[1], 1, 3, 9, 11, 5, 7, 13, 15);
+  const v8f s23 = SHUFFLE(a[2], a[3], 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(a[2], a[3], 1, 3, 9, 11, 5, 7, 13, 15);
+  const v8f t = SHUFFLE(s01, s23, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(s01, s23, 1, 3, 9, 11, 5, 7, 13, 15);
+  return t + SHUFFLE(t, t, 4, 5, 6, 7, 0, 1, 2, 3);
+}
+
+#define DEFINE_BLOCK_OPS(SUFFIX, T, LOADV)                                                              \
+  /* s[g * SEG + j] = q_g . key_j for hb heads and n keys of one page piece */                          \
+  static inline __attribute__((always_inline)) void score_piece_##SUFFIX(                               \
+      const v8f* q, int hb, const T* keys, int64_t n, int64_t C, float* s) {                            \
+    int64_t j = 0;                                                                                      \
+    for (; j + KB <= n; j += KB) {                                                                      \
+      v8f a[HB][KB];                                                                                    \
+      for (int g = 0; g < hb; ++g)                                                                      \
+        for (int i = 0; i < KB; ++i) a[g][i] = splat(0.f);                                              \
+      for (int64_t c = 0; c < C; ++c)                                                                   \
+        for (int i = 0; i < KB; ++i) {                                                                  \
+          v8f key = LOADV(keys + (j + i) * C * 8 + c * 8);                                              \
+          KEEP_IN_REGISTER(key);                                                                        \
+          for (int g = 0; g < hb; ++g) a[g][i] += q[g * C + c] * key;                                   \
+        }                                                                                               \
+      for (int g = 0; g < hb; ++g) {                                                                    \
+        const v8f sums = reduce4(a[g]);                                                                 \
+        for (int i = 0; i < KB; ++i) s[g * SEG + j + i] = sums[i];                                      \
+      }                                                                                                 \
+    }                                                                                                   \
+    for (; j < n; ++j)                                                                                  \
+      for (int g = 0; g < hb; ++g) s[g * SEG + j] = dot_##SUFFIX(q + g * C, keys + j * C * 8, C);       \
+  }                                                                                                     \
+  /* acc[g * C + c] += sum_j p[g * SEG + j] * values[j][c] for hb heads and n keys of one page piece */   \
+  static inline __attribute__((always_inline)) void value_piece_##SUFFIX(                               \
+      v8f* acc, int hb, const float* p, const T* values, int64_t n, int64_t C) {                        \
+    for (int64_t c0 = 0; c0 < C; c0 += VB) {                                                            \
+      const int vb = C - c0 < VB ? (int)(C - c0) : VB;                                                  \
+      v8f a[HB][VB];                                                                                    \
+      for (int g = 0; g < hb; ++g)                                                                      \
+        for (int c = 0; c < vb; ++c) a[g][c] = acc[g * C + c0 + c];                                     \
+      for (int64_t j = 0; j < n; ++j) {                                                                 \
+        v8f w[HB];                                                                                      \
+        for (int g = 0; g < hb; ++g) w[g] = splat(p[g * SEG + j]);                                      \
+        for (int c = 0; c < vb; ++c) {                                                                  \
+          v8f value = LOADV(values + j * C * 8 + (c0 + c) * 8);                                         \
+          KEEP_IN_REGISTER(value);                                                                      \
+          for (int g = 0; g < hb; ++g) a[g][c] += w[g] * value;                                         \
+        }                                                                                               \
+      }                                                                                                 \
+      for (int g = 0; g < hb; ++g)                                                                      \
+        for (int c = 0; c < vb; ++c) acc[g * C + c0 + c] = a[g][c];                                     \
+    }                                                                                                   \
+  }
+
+DEFINE_BLOCK_OPS(f32, float, load_f32)
+DEFINE_BLOCK_OPS(bf16, uint16_t, load_bf16)
+
+/* Runs CALL for each block of heads [g0, g0 + hb_) of G, with hb_ a constant 1..HB in each branch
+ * (so the register blocks are sized at compile time). */
+#define FOR_HEAD_BLOCKS(G, CALL)                                                                    \
+  for (int64_t g0 = 0; g0 < (G); g0 += HB) {                                                        \
+    const int64_t left = (G) - g0;                                                                  \
+    if (left >= 3) { const int hb_ = 3; CALL; }                                                     \
+    else if (left == 2) { const int hb_ = 2; CALL; }                                                \
+    else { const int hb_ = 1; CALL; }                                                               \
+  }
+
+/* One (row, kv head): G query heads against keys [lo, hi) of one sequence, in
+ * segments of at most SEG keys. Each page piece of a segment is scored for all
+ * heads while it is in L1, then one softmax update per head, then each piece's
+ * values are added for all heads. */
 #define DEFINE_DECODE_TASK(SUFFIX, T, LOADV, STORE)                                                      \
   static inline __attribute__((always_inline)) void decode_task_##SUFFIX(                                \
       const T* q, const T* k, const T* v, const int64_t* table, int64_t first, int64_t lo, int64_t hi,   \
@@ -123,39 +189,36 @@ static inline float online_softmax(float* s, int64_t n, float* m, float* l) {
       const float* acc0) {                                                                               \
     const int64_t C = D / 8;                                                                             \
     v8f qf[MAX_GD / 8], acc[MAX_GD / 8];                                                                 \
-    float scores[SEG];                                                                                   \
+    float scores[MAX_G * SEG] __attribute__((aligned(32)));                                              \
     float m[MAX_G], l[MAX_G];                                                                            \
     for (int64_t i = 0; i < G * C; ++i) {                                                                \
       qf[i] = LOADV(q + i * 8) * splat(scale);                                                           \
       acc[i] = acc0 ? load_f32(acc0 + i * 8) : splat(0.f);                                               \
     }                                                                                                    \
     for (int64_t g = 0; g < G; ++g) { m[g] = m0 ? m0[g] : -INFINITY; l[g] = l0 ? l0[g] : 0.f; }          \
-    /* chunks of up to SEG keys, which may span several pages; each chunk is    \
-     * scored page piece by page piece, then one softmax update, then values */ \
     for (int64_t start = lo; start < hi;) {                                                              \
       const int64_t n = hi - start < SEG ? hi - start : SEG;                                             \
-      if (start + n < hi) prefetch_chunk(k, v, table, first, start + n, hi, P, D * (int64_t)sizeof(T));  \
-      for (int64_t g = 0; g < G; ++g) { /* later heads find the chunk in L1/L2 */                        \
-        for (int64_t pos = start; pos < start + n;) {                                                    \
-          const int64_t in_page = pos % P;                                                               \
-          const int64_t cnt = P - in_page < start + n - pos ? P - in_page : start + n - pos;             \
-          const T* keys = k + (table[pos / P - first] * P + in_page) * D;                                \
-          float* s = scores + (pos - start);                                                             \
-          int64_t j = 0;                                                                                 \
-          for (; j + 8 <= cnt; j += 8) store_f32(s + j, dot8_##SUFFIX(qf + g * C, keys + j * D, C));     \
-          for (; j < cnt; ++j) s[j] = dot_##SUFFIX(qf + g * C, keys + j * D, C);                         \
-          pos += cnt;                                                                                    \
-        }                                                                                                \
-        const float correction = online_softmax(scores, n, m + g, l + g);                                \
+      if (start + n < hi && scattered(table, first, start + n, hi, P))                                  \
+        prefetch_chunk(k, v, table, first, start + n, hi, P, D * (int64_t)sizeof(T));                    \
+      for (int64_t pos = start; pos < start + n;) {                                                      \
+        const int64_t in_page = pos % P;                                                                 \
+        const int64_t cnt = P - in_page < start + n - pos ? P - in_page : start + n - pos;               \
+        const T* keys = k + (table[pos / P - first] * P + in_page) * D;                                  \
+        float* s = scores + (pos - start);                                                               \
+        FOR_HEAD_BLOCKS(G, score_piece_##SUFFIX(qf + g0 * C, hb_, keys, cnt, C, s + g0 * SEG))  \
+        pos += cnt;                                                                                      \
+      }                                                                                                  \
+      for (int64_t g = 0; g < G; ++g) {                                                                  \
+        const float correction = online_softmax(scores + g * SEG, n, m + g, l + g);                      \
         if (correction != 1.f)                                                                           \
           for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= splat(correction);                           \
-        for (int64_t pos = start; pos < start + n;) {                                                    \
-          const int64_t in_page = pos % P;                                                               \
-          const int64_t cnt = P - in_page < start + n - pos ? P - in_page : start + n - pos;             \
-          const T* vals = v + (table[pos / P - first] * P + in_page) * D;                                \
-          accumulate_##SUFFIX(acc + g * C, scores + (pos - start), vals, cnt, C);                        \
-          pos += cnt;                                                                                    \
-        }                                                                                                \
+      }                                                                                                  \
+      for (int64_t pos = start; pos < start + n;) {                                                      \
+        const int64_t in_page = pos % P;                                                                 \
+        const int64_t cnt = P - in_page < start + n - pos ? P - in_page : start + n - pos;               \
+        const T* vals = v + (table[pos / P - first] * P + in_page) * D;                                  \
+        FOR_HEAD_BLOCKS(G, value_piece_##SUFFIX(acc + g0 * C, hb_, scores + g0 * SEG + (pos - start), vals, cnt, C)) \
+        pos += cnt;                                                                                      \
       }                                                                                                  \
       start += n;                                                                                        \
     }                                                                                                    \
