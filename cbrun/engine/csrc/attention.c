@@ -58,15 +58,25 @@
 DEFINE_ROW_OPS(f32, float, load_f32)
 DEFINE_ROW_OPS(bf16, uint16_t, load_bf16)
 
+/* Keys of the page piece at position pos: to the end of its page of P rows, or to `end` if sooner. */
+static inline int64_t piece_keys(int64_t pos, int64_t end, int64_t P) {
+  const int64_t to_page_end = P - pos % P;
+  return to_page_end < end - pos ? to_page_end : end - pos;
+}
+
+/* Row of position pos in a pool of P-row pages, found through `table` (table[0] is logical page `first`). */
+static inline int64_t pool_row(const int64_t* table, int64_t first, int64_t pos, int64_t P) {
+  return table[pos / P - first] * P + pos % P;
+}
+
 /* Prefetch into L2 the key and value rows of the chunk of up to SEG keys at
  * position `start` (rows of `row_bytes`; pages of P rows found through `table`). */
 static inline void prefetch_chunk(const void* k, const void* v, const int64_t* table, int64_t first,
                                   int64_t start, int64_t hi, int64_t P, int64_t row_bytes) {
   const int64_t end = hi - start < SEG ? hi : start + SEG;
   for (int64_t pos = start; pos < end;) {
-    const int64_t in_page = pos % P;
-    const int64_t cnt = P - in_page < end - pos ? P - in_page : end - pos;
-    const int64_t offset = (table[pos / P - first] * P + in_page) * row_bytes;
+    const int64_t cnt = piece_keys(pos, end, P);
+    const int64_t offset = pool_row(table, first, pos, P) * row_bytes;
     for (int64_t off = 0; off < cnt * row_bytes; off += 64) {
       __builtin_prefetch((const char*)k + offset + off, 0, 2);
       __builtin_prefetch((const char*)v + offset + off, 0, 2);
@@ -111,6 +121,7 @@ static inline int scattered(const int64_t* table, int64_t first, int64_t start, 
 #define HB 3
 #define KB 4
 #define VB 4
+_Static_assert(HB == 3, "FOR_HEAD_BLOCKS has one branch per block size 1..3");
 
 /* [sum(a[0]), ..., sum(a[3])] in lanes 0..3 (lanes 4..7 repeat them). */
 static inline v8f reduce4(const v8f* a) {
@@ -173,7 +184,7 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, load_bf16)
 #define FOR_HEAD_BLOCKS(G, CALL)                                                                    \
   for (int64_t g0 = 0; g0 < (G); g0 += HB) {                                                        \
     const int64_t left = (G) - g0;                                                                  \
-    if (left >= 3) { const int hb_ = 3; CALL; }                                                     \
+    if (left >= HB) { const int hb_ = HB; CALL; }                                                   \
     else if (left == 2) { const int hb_ = 2; CALL; }                                                \
     else { const int hb_ = 1; CALL; }                                                               \
   }
@@ -201,9 +212,8 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, load_bf16)
       if (start + n < hi && scattered(table, first, start + n, hi, P))                                  \
         prefetch_chunk(k, v, table, first, start + n, hi, P, D * (int64_t)sizeof(T));                    \
       for (int64_t pos = start; pos < start + n;) {                                                      \
-        const int64_t in_page = pos % P;                                                                 \
-        const int64_t cnt = P - in_page < start + n - pos ? P - in_page : start + n - pos;               \
-        const T* keys = k + (table[pos / P - first] * P + in_page) * D;                                  \
+        const int64_t cnt = piece_keys(pos, start + n, P);                                               \
+        const T* keys = k + pool_row(table, first, pos, P) * D;                                          \
         float* s = scores + (pos - start);                                                               \
         FOR_HEAD_BLOCKS(G, score_piece_##SUFFIX(qf + g0 * C, hb_, keys, cnt, C, s + g0 * SEG))  \
         pos += cnt;                                                                                      \
@@ -214,9 +224,8 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, load_bf16)
           for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= splat(correction);                           \
       }                                                                                                  \
       for (int64_t pos = start; pos < start + n;) {                                                      \
-        const int64_t in_page = pos % P;                                                                 \
-        const int64_t cnt = P - in_page < start + n - pos ? P - in_page : start + n - pos;               \
-        const T* vals = v + (table[pos / P - first] * P + in_page) * D;                                  \
+        const int64_t cnt = piece_keys(pos, start + n, P);                                               \
+        const T* vals = v + pool_row(table, first, pos, P) * D;                                          \
         FOR_HEAD_BLOCKS(G, value_piece_##SUFFIX(acc + g0 * C, hb_, scores + g0 * SEG + (pos - start), vals, cnt, C)) \
         pos += cnt;                                                                                      \
       }                                                                                                  \

@@ -69,19 +69,6 @@ static inline float max_of(v8f x) {
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
 
-/* [sum(a[0]), ..., sum(a[7])]: pairwise lane sums, 7 shuffle pairs for 8 vectors */
-static inline v8f reduce8(const v8f* a) {
-  v8f s[4];
-  for (int i = 0; i < 4; ++i) /* [x01, y01, x23, y23, x45, y45, x67, y67] of x = a[2i], y = a[2i+1] */
-    s[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           SHUFFLE(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-  v8f u[2];
-  for (int i = 0; i < 2; ++i) /* sums of lane quarters: [w0..w3 low halves, w0..w3 high halves] */
-    u[i] = SHUFFLE(s[2 * i], s[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           SHUFFLE(s[2 * i], s[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return SHUFFLE(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
 static inline uint16_t f32_to_bf16(float f) {
   union { uint32_t u; float f; } c;
   c.f = f;
@@ -101,10 +88,5 @@ static inline void store_bf16(uint16_t* p, v8f x) {
 #else
 #define KEEP_IN_REGISTER(v) ((void)0)
 #endif
-
-/* Prefetch bytes [from, to) of a block into L2. */
-static inline void prefetch_range(const void* base, int64_t from, int64_t to) {
-  for (int64_t b = from & ~(int64_t)63; b < to; b += 64) __builtin_prefetch((const char*)base + b, 0, 2);
-}
 
 #endif
