@@ -180,3 +180,31 @@ def test_a_failing_step_fails_live_requests_and_the_engine_goes_on(llama, monkey
         fine = engine.generate_batch([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
     assert broken.finish_reason == "error" and "scheduler exploded" in broken.error
     assert fine.error is None and len(fine.token_ids) == 3
+
+
+def test_engine_start_releases_the_callers_openmp_pool(llama, monkeypatch):
+    """The loop thread's OpenMP pool must be the only one (cbrun/engine/openmp.py): Engine frees the caller's."""
+    import cbrun.engine.engine as engine_module
+
+    callers = []
+    monkeypatch.setattr(engine_module, "release_caller_threads", lambda: callers.append(threading.get_ident()))
+    model, tokenizer = llama
+    with Engine(model, tokenizer, EngineConfig(num_blocks=64)):
+        pass
+    assert callers == [threading.get_ident()]
+
+
+def test_release_caller_threads_ends_this_threads_openmp_workers():
+    import os
+
+    import torch
+
+    from cbrun.engine.openmp import release_caller_threads
+
+    if not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2:
+        pytest.skip("needs Linux and at least two OpenMP threads")
+    x = torch.randn(1 << 22)
+    x + x  # a parallel region: this thread now owns a pool of workers
+    before = len(os.listdir("/proc/self/task"))
+    assert release_caller_threads()
+    _wait_until(lambda: len(os.listdir("/proc/self/task")) < before, timeout=5)

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 
 from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
 from cbrun.engine.core import EngineCore, StepOutcome
+from cbrun.engine.openmp import release_caller_threads
 from cbrun.engine.request import GenerationOutput, Request, RequestStatus, StreamChunk
 from cbrun.engine.results import ResultStore
 
@@ -46,6 +47,7 @@ class Engine:
         self._draining = False
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="cbrun-engine", daemon=True)
+        release_caller_threads()  # the loop thread's OpenMP pool must be the only one (see openmp.py)
         self._thread.start()
 
     # -- submitting ---------------------------------------------------------
