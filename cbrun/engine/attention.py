@@ -11,6 +11,8 @@ pages with a key bias, and each prefill chunk with SDPA (plain causal when
 the chunk has no cached prefix, else an explicit bottom-right causal mask),
 or in fp32 on CPU with the compiled kernel when the chunk is plain causal.
 transformers builds no mask for our name, so the engine owns causality.
+Layers with attention logit soft-capping (Gemma 2) always take the torch
+paths, with the cap spelled out, since neither SDPA nor our kernels cap.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ BATCH_KWARG = "cbrun_batch"
 
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None,
-                    dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+                    dropout: float = 0.0, softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """`softcap` (Gemma 2) caps the scores as `softcap * tanh(s / softcap)`; the compiled kernels do not,
+    so a soft-capped layer always takes the torch paths."""
     batch: PagedBatch = kwargs[BATCH_KWARG]
     layer = module.layer_idx
     layout = batch.groups[batch.layer_groups[layer]]
@@ -43,17 +47,17 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
     if batch.num_rows:
         q = query[0, :, : batch.num_rows]  # [H, R, D]
-        if batch.decode_kernel is not None:
+        if batch.decode_kernel is not None and not softcap:
             out[: batch.num_rows] = _decode_with_kernel(batch.decode_kernel, q.transpose(0, 1).contiguous(),
                                                         k_pool, v_pool, layout.decode, scale, batch.shared_kernel)
         else:
-            out[: batch.num_rows] = _decode(q, k_pool, v_pool, layout.decode, scale)
+            out[: batch.num_rows] = _decode(q, k_pool, v_pool, layout.decode, scale, softcap)
     for seq in layout.prefills:
         attended = None
-        if batch.prefill_kernel is not None and seq.causal_from is not None:
+        if batch.prefill_kernel is not None and seq.causal_from is not None and not softcap:
             attended = _prefill_with_kernel(batch.prefill_kernel, query, key, value, k_pool, v_pool, seq, scale)
         out[seq.start: seq.end] = attended if attended is not None else \
-            _prefill(query, key, value, k_pool, v_pool, seq, scale)
+            _prefill(query, key, value, k_pool, v_pool, seq, scale, softcap)
     return out.unsqueeze(0), None
 
 
@@ -74,19 +78,37 @@ def _decode_with_kernel(kernel, q: torch.Tensor, k_pool, v_pool, layout: DecodeL
                   state)
 
 
-def _decode(q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float,
+            softcap: float | None = None) -> torch.Tensor:
     """Torch path: one query per sequence, all sequences at once: [H, B, D] -> [B, H, D]."""
     num_heads, batch, dim = q.shape
-    num_kv = k_pool.shape[0]
+    num_kv, _, page, _ = k_pool.shape
     group = num_heads // num_kv
+    if layout.pages is None:  # built for the compiled kernel: derive the torch path's gather and bias once
+        _add_torch_addresses(layout, page)
     keys = k_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)  # [H_kv, B, L, D]
     values = v_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)
     q = q.view(num_kv, group, batch, dim).transpose(1, 2)  # [H_kv, B, G, D]
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [H_kv, B, G, L]
+    scores = _cap(torch.matmul(q, keys.transpose(-1, -2)).float() * scale, softcap)  # [H_kv, B, G, L]
     scores += layout.bias  # [B, 1, L] broadcasts
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [H_kv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads, dim)
+
+
+def _add_torch_addresses(layout: DecodeLayout, page: int) -> None:
+    """Fill `layout.pages` and `layout.bias` from the kernel's tables (same rule as the batch builder)."""
+    offsets = torch.arange(layout.tables.shape[1] * page, device=layout.tables.device)  # [L]
+    key_pos = layout.first_page[:, None] * page + offsets[None, :]  # [B, L]
+    valid = (key_pos < layout.kv_len[:, None]) & (key_pos >= layout.kv_lo[:, None])
+    bias = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+    layout.bias = bias.masked_fill_(~valid, float("-inf"))[:, None, :]  # [B, 1, L]
+    layout.pages = layout.tables.reshape(-1)
+
+
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Attention logit soft-capping (Gemma 2), applied to scaled scores before the mask."""
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
 
 
 def _prefill_with_kernel(kernel, query, key, value, k_pool, v_pool, seq: PrefillSeq,
@@ -98,7 +120,8 @@ def _prefill_with_kernel(kernel, query, key, value, k_pool, v_pool, seq: Prefill
     return kernel(q, k_pool, v_pool, scale, seq.causal_from, seq.pages)
 
 
-def _prefill(query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float) -> torch.Tensor:
+def _prefill(query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float,
+             softcap: float | None = None) -> torch.Tensor:
     """One chunk of one sequence: [1, H, q, D] against its context -> [q, H, D]."""
     q = query[:, :, seq.start: seq.end]  # [1, H, q, D]
     if seq.new_kv_only:
@@ -108,10 +131,29 @@ def _prefill(query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float) -
         num_kv, _, _, dim = k_pool.shape
         k = k_pool.index_select(1, seq.pages).view(1, num_kv, -1, dim)  # [1, H_kv, L, D]
         v = v_pool.index_select(1, seq.pages).view(1, num_kv, -1, dim)
+    if softcap:
+        return _capped_attention(q[0], k[0], v[0], seq.mask, scale, softcap)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True,
     )  # [1, H, q, D]
     return out[0].transpose(0, 1)
+
+
+def _capped_attention(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float) -> torch.Tensor:
+    """SDPA cannot cap scores, so spell it out: q [H, q, D], k/v [H_kv, L, D] -> [q, H, D].
+
+    `mask` None means plain causal over keys that are exactly the queries' own.
+    """
+    num_heads, length, dim = q.shape
+    num_kv = k.shape[0]
+    if mask is None:
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril_()
+    grouped = q.reshape(num_kv, num_heads // num_kv * length, dim)  # [H_kv, G * q, D]
+    scores = _cap(torch.matmul(grouped, k.transpose(-1, -2)).float() * scale, softcap)  # [H_kv, G * q, L]
+    scores = scores.view(num_kv, -1, length, k.shape[1]).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(num_kv, -1, k.shape[1])
+    out = torch.matmul(probs, v).view(num_heads, length, dim)  # [H, q, D]
+    return out.transpose(0, 1)
 
 
 def register() -> str:

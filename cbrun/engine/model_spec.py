@@ -36,8 +36,6 @@ def read_model_spec(model, tokenizer) -> ModelSpec:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{config.model_type}: encoder-decoder models are not supported")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError(f"{config.model_type}: attention logit soft-capping is not supported")
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     kv = KVShape(
