@@ -84,6 +84,8 @@ class PagedBatch:
     write_kernel: object | None = None  # compiled CPU K/V write, when available
     shared_kernel: object | None = None  # compiled CPU shared-prefix attention (fp32), when available
     prefill_kernel: object | None = None  # compiled CPU causal prefill attention (fp32), when available
+    score_indices: torch.Tensor | None = None  # [S] flat index of each position a scoring request keeps
+    scored: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first position, count)
 
     @property
     def num_tokens(self) -> int:
@@ -119,11 +121,18 @@ class BatchBuilder:
         positions: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Request] = []
+        score_rows: list[int] = []
+        scored: list[tuple[Request, int, int]] = []
         for request, count in items:
             start = request.num_computed_tokens
             ids.extend(request.all_token_ids[start:start + count])
             positions.extend(range(start, start + count))
-            if start + count == request.num_tokens:
+            if request.score is not None:  # scoring: keep every wanted position, sample nothing
+                first = max(start, request.next_score_position)
+                if first < start + count:
+                    score_rows.extend(range(len(ids) - (start + count - first), len(ids)))
+                    scored.append((request, first, start + count - first))
+            elif start + count == request.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(request)
         groups = {name: self._layout(name, items, len(row_items)) for name in self.cache.allocators}
@@ -142,6 +151,8 @@ class BatchBuilder:
             write_kernel=self.write_kernel,
             shared_kernel=self.shared_kernel,
             prefill_kernel=self.prefill_kernel,
+            score_indices=torch.tensor(score_rows, **as_long),
+            scored=scored,
         )
 
     # -- per attention type -------------------------------------------------

@@ -170,6 +170,7 @@ class StatsSnapshot:
     computed_prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     generated_tokens: int = 0
+    scored_tokens: int = 0  # positions whose logprob a scoring request kept
     offloads: int = 0
     restores: int = 0
     soft_resets: int = 0

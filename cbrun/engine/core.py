@@ -28,6 +28,7 @@ from cbrun.engine.offload import make_preemptor
 from cbrun.engine.request import Request, RequestStatus
 from cbrun.engine.runner import ModelRunner
 from cbrun.engine.sampler import sample
+from cbrun.engine.scoring import ScoredRows, score_logits
 from cbrun.engine.sizing import choose_num_blocks
 from cbrun.engine.scheduler import Scheduler
 
@@ -129,8 +130,22 @@ class EngineCore:
                     f"{self.cache.pool.num_blocks}; raise num_blocks or shorten the prompt")
         return None
 
+    def validate_score(self, prompt_ids: list[int], completion_ids: list[int]) -> str | None:
+        """Why this (prompt, completion) pair cannot be scored, or None."""
+        if not completion_ids:
+            return "empty completion: nothing to score"
+        bad = next((t for t in completion_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size), None)
+        if bad is not None:
+            return f"completion token id {bad!r} is outside the vocabulary (0..{self.spec.vocab_size - 1})"
+        error = self.validate(prompt_ids, len(completion_ids))
+        needed = self.cache.max_blocks_for(len(prompt_ids) + len(completion_ids) - 1)
+        if error is None and needed > self.cache.pool.num_blocks:
+            error = (f"prompt plus completion need {needed} KV-cache blocks but the whole cache has "
+                     f"{self.cache.pool.num_blocks}; raise num_blocks or shorten them")
+        return error
+
     def add(self, request: Request) -> None:
-        self._stats.prompt_tokens += request.num_prompt_tokens
+        self._stats.prompt_tokens += request.num_tokens if request.score is not None else request.num_prompt_tokens
         self.scheduler.add(request)
 
     def remove(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> None:
@@ -158,8 +173,9 @@ class EngineCore:
             return outcome
         batch = self.builder.build(batch_plan.items)
         try:
-            logits = self.runner.forward(batch)  # [N, V]
-            picked = sample(logits, batch.sampled, self.kernels) if batch.sampled else None
+            step = self.runner.forward(batch)
+            picked = sample(step.sampled, batch.sampled, self.kernels) if batch.sampled else None  # [N, V] in
+            scored = self._score(batch, step) if batch.scored else None
         except Exception as exc:  # a failing forward fails its batch, not the engine
             log.exception("forward failed")
             for request, _ in batch_plan.items:
@@ -167,6 +183,8 @@ class EngineCore:
                 outcome.finished.append(request)
             return outcome
         self._advance(batch_plan.items)
+        if scored is not None:
+            self._record_scores(batch.scored, scored, outcome)
         if picked is not None:
             for row, request in enumerate(batch.sampled):
                 top = picked.top[row] if picked.top is not None else None
@@ -174,9 +192,48 @@ class EngineCore:
         self._record_step(batch.num_decode, time.perf_counter() - started)
         return outcome
 
+    def _score(self, batch, step) -> ScoredRows:
+        """Logprobs of every kept position's next token, one `SCORE_CHUNK` of rows at a time."""
+        targets = torch.tensor([request.score_target(p) for request, first, count in batch.scored
+                                for p in range(first, first + count)], dtype=torch.long)  # [S]
+        top_k = max(request.score.top_logprobs for request, _, _ in batch.scored)
+        total = ScoredRows([], [], [] if top_k else None)
+        for start, logits in self.runner.score_chunks(step):  # [c, V]
+            part = score_logits(logits, targets[start:start + logits.shape[0]], top_k, self.kernels)
+            total.logprobs += part.logprobs
+            total.greedy += part.greedy
+            if top_k:
+                total.top += part.top
+        return total
+
+    def _record_scores(self, spans: list[tuple[Request, int, int]], scored: ScoredRows, outcome: StepOutcome) -> None:
+        """Append each scoring request's new logprobs; finish the ones whose last token was computed."""
+        row = 0
+        for request, first, count in spans:
+            prompt_end = request.num_prompt_tokens - 1  # positions before it predict prompt tokens
+            for offset, position in enumerate(range(first, first + count)):
+                index = row + offset
+                if position < prompt_end:
+                    request.prompt_logprobs.append(scored.logprobs[index])
+                    continue
+                request.logprobs.append(scored.logprobs[index])
+                request.is_greedy &= scored.greedy[index]
+                if request.top_logprobs is not None:
+                    request.top_logprobs.append(scored.top[index][:request.score.top_logprobs])
+            row += count
+            self._stats.scored_tokens += count
+        for request, _, _ in spans:
+            if request.score_done:
+                request.first_token_time = request.first_token_time or time.perf_counter()
+                self.scheduler.remove(request)
+                self._finish(request, RequestStatus.FINISHED, "stop")
+                outcome.finished.append(request)
+
     def _advance(self, items) -> None:
         for request, count in items:
-            if request.num_computed_tokens < request.num_prompt_tokens:
+            if request.score is not None:  # every token of a scoring request is input
+                self._stats.computed_prompt_tokens += count
+            elif request.num_computed_tokens < request.num_prompt_tokens:
                 self._stats.computed_prompt_tokens += min(count, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += count
             self.cache.commit(request.key, request.all_token_ids, request.num_computed_tokens)
@@ -217,7 +274,7 @@ class EngineCore:
         request.finish_reason = reason
         request.error = error
         request.finish_time = time.perf_counter()
-        request.text = self.detok.final_text(request) if request.num_generated else ""
+        request.text = self.detok.final_text(request) if request.num_generated and request.score is None else ""
         counter = {RequestStatus.FINISHED: "finished", RequestStatus.FAILED: "failed",
                    RequestStatus.CANCELLED: "cancelled"}[status]
         setattr(self._stats, counter, getattr(self._stats, counter) + 1)

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
 from cbrun.engine.core import EngineCore, StepOutcome
 from cbrun.engine.openmp import release_caller_threads
-from cbrun.engine.request import GenerationOutput, Request, RequestStatus, StreamChunk
+from cbrun.engine.request import GenerationOutput, Request, RequestStatus, ScoreSpec, StreamChunk
 from cbrun.engine.results import ResultStore
 
 log = logging.getLogger("cbrun.engine")
@@ -121,6 +121,66 @@ class Engine:
                 self._deliver_finished(request)
             else:
                 self._inbox.append(request)
+
+    # -- scoring ------------------------------------------------------------
+    def add_score_request(self, prompt: Prompt, completions: Sequence[Sequence[int]], request_id: str | None = None,
+                          *, samples: Sequence[int] | None = None, prompt_logprobs: bool = False,
+                          top_logprobs: int = 0) -> str:
+        """Queue teacher-forced scoring of token-id completions after one prompt; returns the id.
+
+        Each completion is a result of its own (sample `samples[i]`, default i),
+        with the logprob of every completion token at temperature 1, computed
+        as `generate` computes the logprobs of the tokens it samples. The prompt
+        is computed once for all completions when prefix caching is on.
+        Never raises for a bad completion: its result carries the error.
+        """
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        samples = list(samples) if samples is not None else list(range(len(completions)))
+        if len(samples) != len(completions) or len(set(samples)) != len(samples):
+            raise ValueError("samples must give one distinct index per completion")
+        if not _is_int(top_logprobs) or top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
+        ids = self._tokenize(prompt)
+        prompt_error = ids if isinstance(ids, str) else None
+        ids = [] if prompt_error else ids
+        params = SamplingParams(max_tokens=1, top_logprobs=top_logprobs)
+        prepared = []
+        for sample, completion in zip(samples, completions):
+            tokens = self._tokenize(completion) if not isinstance(completion, str) else "completion must be token ids"
+            error = prompt_error or (tokens if isinstance(tokens, str) else self.core.validate_score(ids, tokens))
+            spec = ScoreSpec(tuple(tokens) if error is None else (), prompt_logprobs, top_logprobs)
+            prepared.append(Request(rid, sample, ids, params, 0, 0, score=spec, error=error))
+        with self._inbox_cond:
+            if self._closed or self._draining:
+                raise RuntimeError("engine is stopped; no new requests are accepted")
+            if self._results.is_active(rid):
+                for request in prepared:
+                    request.error = f"duplicate request id {rid!r}: a request with this id is still running"
+            self._results.expect(rid, len(prepared), False)
+            for request in prepared:
+                request.arrival_order = next(self._arrivals)
+                if request.error is not None:
+                    request.status, request.finish_reason = RequestStatus.FAILED, "error"
+                    self._deliver_finished(request)
+                else:
+                    self._inbox.append(request)
+            self._inbox_cond.notify()
+        return rid
+
+    def score_batch(self, prompts: Sequence[Prompt], completions: Sequence[Sequence[Sequence[int]]], *,
+                    prompt_logprobs: bool = False, top_logprobs: int = 0) -> list[GenerationOutput]:
+        """Blocking: score completions[i] (a list of token-id lists) after prompts[i]; results in
+        input order, the completions of one prompt adjacent."""
+        if len(prompts) != len(completions):
+            raise ValueError("completions must have one list per prompt")
+        ids = [f"score-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, group in zip(ids, prompts, completions):
+            self.add_score_request(prompt, group, rid, prompt_logprobs=prompt_logprobs, top_logprobs=top_logprobs)
+        outputs = []
+        for rid, group in zip(ids, completions):
+            samples = [self._results.get(rid, timeout=None) for _ in group]
+            outputs.extend(sorted(samples, key=lambda o: o.sample_index))
+        return outputs
 
     # -- the loop -----------------------------------------------------------
     def _loop(self) -> None:
@@ -269,6 +329,10 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.stop(hard=exc[0] is not None)
         self.destroy()
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _as_params(sampling) -> SamplingParams:

@@ -39,6 +39,11 @@ class GenerationOutput:
     when greedy), before top-k/top-p/min-p filtering.
     top_logprobs[i] is a list of (token_id, logprob) pairs, most likely first,
     present only when the request asked for top_logprobs > 0.
+
+    Scoring requests (`Engine.add_score_request`) fill the same fields for the
+    given completion: token_ids is the completion, logprobs its teacher-forced
+    logprobs at temperature 1, is_greedy whether every token was the argmax,
+    prompt_logprobs (when asked) one per prompt token with None for the first.
     """
 
     request_id: str
@@ -54,6 +59,8 @@ class GenerationOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    is_greedy: bool | None = None  # scoring only
+    prompt_logprobs: list[float | None] | None = None  # scoring with prompt logprobs only
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,6 +90,20 @@ class StreamChunk:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class ScoreSpec:
+    """What a scoring request wants: logprobs of a given completion, not new tokens.
+
+    The request runs as a prefill of prompt + completion[:-1] that keeps the
+    logits of every position from `Request.score_from` on (the last completion
+    token predicts nothing that is asked for, so it is never computed).
+    """
+
+    completion_token_ids: tuple[int, ...]
+    prompt_logprobs: bool = False
+    top_logprobs: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     """Engine-internal state of one (prompt, sample) sequence."""
@@ -107,11 +128,21 @@ class Request:
     finish_time: float | None = None
     stream: bool = False
     stream_text: str = ""  # text already sent to the stream
+    score: ScoreSpec | None = None  # set for a scoring (teacher-forced, prefill-only) request
+    prompt_logprobs: list[float] | None = None  # scoring: logprob of prompt token i + 1, per position i
+    is_greedy: bool = True  # scoring: every completion token so far was the argmax
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling.top_logprobs and self.top_logprobs is None:
+            if self.score is not None:
+                self.all_token_ids.extend(self.score.completion_token_ids[:-1])
+        if self.score is not None:
+            if self.score.top_logprobs and self.top_logprobs is None:
+                self.top_logprobs = []
+            if self.score.prompt_logprobs and self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+        elif self.sampling.top_logprobs and self.top_logprobs is None:
             self.top_logprobs = []
 
     @property
@@ -143,7 +174,77 @@ class Request:
     def is_prefilling(self) -> bool:
         return self.num_uncomputed > 1
 
+    # -- scoring ------------------------------------------------------------------
+    @property
+    def score_from(self) -> int:
+        """First position whose logits a scoring request needs: 0 with prompt logprobs, else
+        the last prompt token (it predicts the first completion token)."""
+        assert self.score is not None
+        return 0 if self.score.prompt_logprobs else self.num_prompt_tokens - 1
+
+    @property
+    def next_score_position(self) -> int:
+        """The first position not scored yet; positions before it are never scored again
+        (after a soft reset they are recomputed for their K/V only)."""
+        return self.score_from + len(self.prompt_logprobs or ()) + len(self.logprobs)
+
+    @property
+    def score_done(self) -> bool:
+        return self.score is not None and self.num_computed_tokens >= self.num_tokens
+
+    def score_target(self, position: int) -> int:
+        """The token that the logits at `position` are scored against (the next one)."""
+        assert self.score is not None
+        nxt = position + 1
+        if nxt < self.num_prompt_tokens:
+            return self.prompt_token_ids[nxt]
+        return self.score.completion_token_ids[nxt - self.num_prompt_tokens]
+
+    @property
+    def prefix_match_ids(self) -> list[int]:
+        """Tokens the prefix cache may serve, plus one: the last is always computed.
+
+        A scoring request needs the logits of every position from
+        `next_score_position` on, so blocks holding such a position are not taken
+        from the cache even when they are there.
+        """
+        if self.score is None:
+            return self.all_token_ids
+        return self.all_token_ids[: self.next_score_position + 1]
+
+    @property
+    def is_fresh(self) -> bool:
+        """Nothing produced yet (its first admission, or a reset before any output)."""
+        if self.score is not None:
+            return not self.logprobs and not self.prompt_logprobs
+        return self.num_generated == 0
+
     def to_output(self) -> GenerationOutput:
+        if self.score is not None:
+            return self._score_output()
+        return self._generation_output()
+
+    def _score_output(self) -> GenerationOutput:
+        prompt = None if self.prompt_logprobs is None else [None, *self.prompt_logprobs]
+        return GenerationOutput(
+            request_id=self.request_id,
+            sample_index=self.sample_index,
+            prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=list(self.score.completion_token_ids),
+            text="",
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason or "error",
+            error=self.error,
+            top_logprobs=self.top_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finish_time=self.finish_time,
+            is_greedy=self.is_greedy if self.error is None else None,
+            prompt_logprobs=prompt,
+        )
+
+    def _generation_output(self) -> GenerationOutput:
         return GenerationOutput(
             request_id=self.request_id,
             sample_index=self.sample_index,

@@ -15,6 +15,9 @@ model's own forward.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +27,24 @@ from cbrun.engine.cpu_linear import kernel_can_read, small_batch_linear
 
 # config attributes by which a causal LM transforms logits after its head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+SCORE_CHUNK = 256  # score rows projected (and log-softmaxed) at a time: bounds the [rows, V] logits
+
+
+@dataclass
+class StepLogits:
+    """What one forward hands back: logits of the sampled rows, and where the score rows' come from.
+
+    score_hidden holds the final hidden states of the positions scoring
+    requests keep; their logits are made `SCORE_CHUNK` rows at a time by
+    `score_chunks`, so a long sequence never has a [T, V] tensor at once.
+    score_logits is used instead for heads the runner cannot apply itself.
+    """
+
+    sampled: torch.Tensor  # [N, V] fp32
+    score_hidden: torch.Tensor | None = None  # [S, hidden]
+    score_logits: torch.Tensor | None = None  # [S, V] fp32 (model-applied heads only)
 
 
 class ModelRunner:
@@ -38,22 +59,47 @@ class ModelRunner:
         self.project = _onednn_project if fast and _onednn_available() else _torch_project
 
     @torch.inference_mode()
-    def forward(self, batch: PagedBatch) -> torch.Tensor:
-        """Logits [N, V] (fp32) at each sampled sequence's last token."""
+    def forward(self, batch: PagedBatch) -> StepLogits:
+        """Logits [N, V] (fp32) at each sampled sequence's last token, plus the score rows."""
         kwargs = {
             "input_ids": batch.input_ids,  # [1, T]
             "position_ids": batch.position_ids,  # [1, T]
             "use_cache": False,
             BATCH_KWARG: batch,
         }
-        if not len(batch.logits_indices):
+        num_sampled = len(batch.logits_indices)
+        score_indices = batch.score_indices if batch.score_indices is not None else batch.logits_indices[:0]
+        if not num_sampled and not len(score_indices):
             self.model.model(**kwargs)  # chunk-only step: fill the cache, no logits
-            return torch.empty(0)
+            return StepLogits(torch.empty(0))
         if self.head is None and self.keeps_logits:
-            logits = self.model(**kwargs, logits_to_keep=batch.logits_indices).logits  # [1, N, V]
-            return logits[0].float()
-        hidden = self.model.model(**kwargs).last_hidden_state  # [1, T, hidden]
-        rows = hidden[0].index_select(0, batch.logits_indices)  # [N, hidden]
+            keep = torch.cat([batch.logits_indices, score_indices])  # [N + S]
+            logits = self.model(**kwargs, logits_to_keep=keep).logits[0].float()  # [N + S, V]
+            return StepLogits(logits[:num_sampled], score_logits=logits[num_sampled:] if len(score_indices) else None)
+        hidden = self.model.model(**kwargs).last_hidden_state[0]  # [T, hidden]
+        sampled = (self._project(hidden.index_select(0, batch.logits_indices)) if num_sampled
+                   else torch.empty(0))  # [N, V]
+        score_hidden = hidden.index_select(0, score_indices) if len(score_indices) else None  # [S, hidden]
+        return StepLogits(sampled, score_hidden=score_hidden)
+
+    @torch.inference_mode()
+    def score_chunks(self, step: StepLogits) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first score row, fp32 logits [c, V]) for the step's score rows, SCORE_CHUNK rows at a time.
+
+        Each chunk goes through `_project`, the very head projection that
+        sampled rows take, so a scored token gets the logits generate saw.
+        """
+        if step.score_logits is not None:
+            for start in range(0, step.score_logits.shape[0], SCORE_CHUNK):
+                yield start, step.score_logits[start:start + SCORE_CHUNK]
+            return
+        if step.score_hidden is None:
+            return
+        for start in range(0, step.score_hidden.shape[0], SCORE_CHUNK):
+            yield start, self._project(step.score_hidden[start:start + SCORE_CHUNK])
+
+    def _project(self, rows: torch.Tensor) -> torch.Tensor:
+        """Output head: rows [n, hidden] -> fp32 logits [n, V]; the one place logits are made."""
         if self.head is None:
             return self.model.lm_head(rows).float()
         if self.kernels is not None:

@@ -213,9 +213,9 @@ class Scheduler:
         return False
 
     def _attach_prefix(self, request: Request) -> None:
-        hit = self.cache.match_prefix(request.key, request.all_token_ids)
+        hit = self.cache.match_prefix(request.key, request.prefix_match_ids)
         request.num_computed_tokens = hit
-        if hit and request.num_cached_tokens == 0 and request.num_generated == 0:
+        if hit and request.num_cached_tokens == 0 and request.is_fresh:
             request.num_cached_tokens = hit
             self.prefix_hit_tokens += hit
 
