@@ -27,6 +27,7 @@ from cbrun.cli.common import (DEFAULT_MODEL, EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW
                               first_line, load_model, quiet_libraries)
 
 INPUT_PANEL, SAMPLING_PANEL, OUTPUT_PANEL = "Input", "Sampling (rows may override)", "Output"
+SCALE_PANEL = "Past one machine (shards, Ray)"
 
 
 class OutputFormat(str, Enum):
@@ -67,6 +68,13 @@ class GenerateOptions:
     dtype: Dtype = Dtype.auto
     device: Device = Device.auto
     engine: dict = field(default_factory=dict)  # build_engine_config keyword arguments
+    num_shards: int | None = None
+    shard_index: int | None = None
+    ray: bool = False
+    ray_address: str | None = None
+    replicas: int = 2
+    threads_per_replica: int = 1
+    cpus_per_replica: float | None = None
 
 
 def generate(
@@ -132,6 +140,30 @@ def generate(
     no_prefix_cache: NoPrefixCacheOption = False,
     cpu_offload_gb: CpuOffloadOption = None,
     max_memory_percent: MaxMemoryPercentOption = None,
+    num_shards: Annotated[Optional[int], typer.Option(
+        help="Split the input into N shards by a stable hash of each row's id; this process runs one. "
+             "Default: SLURM_ARRAY_TASK_COUNT, CBRUN_NUM_SHARDS (with JOB_COMPLETION_INDEX) or WORLD_SIZE. "
+             "Sharded, OUTPUT out.parquet becomes the directory out.parquet/ of part-IIIII-of-NNNNN.parquet "
+             "files, unless OUTPUT names one file per shard with {shard} (e.g. out-{shard}.jsonl).",
+        show_default=False, rich_help_panel=SCALE_PANEL)] = None,
+    shard_index: Annotated[Optional[int], typer.Option(
+        help="The shard this process runs, 0..N-1. Default: SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), "
+             "JOB_COMPLETION_INDEX or RANK.", show_default=False, rich_help_panel=SCALE_PANEL)] = None,
+    ray: Annotated[bool, typer.Option(
+        "--ray", help="Run on Ray (pip install 'cbrun[ray]'): --replicas engine actors; a Parquet OUTPUT "
+                      "becomes a directory of part files written as results finish; row order is not kept.",
+        rich_help_panel=SCALE_PANEL)] = False,
+    ray_address: Annotated[Optional[str], typer.Option(
+        help="Ray cluster to join (ray://host:10001 or auto); default: start a local one.",
+        show_default=False, rich_help_panel=SCALE_PANEL)] = None,
+    replicas: Annotated[int, typer.Option(help="With --ray: engine actors, one model copy each.",
+                                          rich_help_panel=SCALE_PANEL)] = 2,
+    threads_per_replica: Annotated[int, typer.Option(help="With --ray: CPU threads of each engine.",
+                                                     rich_help_panel=SCALE_PANEL)] = 1,
+    cpus_per_replica: Annotated[Optional[float], typer.Option(
+        help="With --ray: CPUs Ray reserves per actor; fractions let actors share cores "
+             "(default: threads-per-replica, lowered to fit a local machine's cores).",
+        show_default=False, rich_help_panel=SCALE_PANEL)] = None,
 ) -> int:
     """Run a prompt dataset through the engine; write one row per (prompt, sample) as results finish."""
     engine = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
@@ -143,7 +175,9 @@ def generate(
         chat=chat, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         seed=seed, n=n, stop=list(stop or []), ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
         keep_columns=keep_columns, prompt_token_ids=prompt_token_ids, format=format, resume=resume,
-        overwrite=overwrite, quiet=quiet, window=window, dtype=dtype, device=device, engine=engine)
+        overwrite=overwrite, quiet=quiet, window=window, dtype=dtype, device=device, engine=engine,
+        num_shards=num_shards, shard_index=shard_index, ray=ray, ray_address=ray_address, replicas=replicas,
+        threads_per_replica=threads_per_replica, cpus_per_replica=cpus_per_replica)
     return run_generate(options)
 
 
@@ -165,6 +199,9 @@ def run_generate(opts: GenerateOptions) -> int:
     sampling = _sampling(opts)
     engine_config = build_engine_config(**opts.engine)
     keep = _keep_columns(opts.keep_columns)
+    shard = _shard(opts)
+    if opts.ray:
+        return _run_ray(opts, sampling, keep, engine_config)
     target = OutputTarget.parse(opts.output, opts.input)
     source = _open_input(opts, keep)
     openai_input = _is_openai_input(source)
@@ -182,8 +219,9 @@ def run_generate(opts: GenerateOptions) -> int:
             preparer = RowPreparer(tokenizer, sampling, max_context=engine.max_context, vocab_size=engine.vocab_size,
                                    prompt_column=opts.prompt_column, chat=opts.chat, keep_columns=keep)
             writer = target.open_writer(fmt, data_stream, append=opts.resume)
-            progress = JobProgress(rows_total=source.total)
-            job = GenerateJob(engine, source, preparer, fmt, writer, openai=converter, resume=resume_state,
+            progress = JobProgress(rows_total=source.total if shard is None else None)  # a shard's size is unknown
+            rows = source if shard is None else _select_rows(source, shard)
+            job = GenerateJob(engine, rows, preparer, fmt, writer, openai=converter, resume=resume_state,
                               window=opts.window, progress=progress)
             dashboard = None if opts.quiet else _dashboard(engine, progress)
             with _interrupts(job, dashboard):  # held until the output is closed: a late Ctrl-C loses nothing
@@ -200,7 +238,7 @@ def run_generate(opts: GenerateOptions) -> int:
                         writer.close()
         finally:
             engine.destroy()
-    return _report(progress, dashboard, target, opts)
+    return _report(progress, dashboard, target, opts, shard)
 
 
 # --- checks before any work -------------------------------------------------------
@@ -256,6 +294,107 @@ class OutputTarget:
         if self.kind == "parquet":
             return ParquetOutput(self.path, fmt)
         return JsonlWriter.open(self.path, append=append)
+
+
+def _shard(opts: GenerateOptions):
+    """This process's shard (None when not sharded); rewrites opts.output to the shard's own output."""
+    from cbrun.scale.shards import ShardError, resolve_shard, shard_output
+
+    try:
+        shard = resolve_shard(opts.num_shards, opts.shard_index)
+        if shard is None:
+            return None
+        if opts.ray:
+            raise ShardError(f"--ray runs the whole input; this process was given shard {shard.describe()} "
+                             "(unset the scheduler's variables or drop --num-shards)")
+        output, in_directory = shard_output(opts.output, shard)
+    except ShardError as exc:
+        raise CliError(str(exc)) from None
+    if in_directory:
+        directory = Path(output).parent
+        if not directory.parent.is_dir():
+            raise CliError(f"output directory does not exist: {directory.parent}")
+        directory.mkdir(exist_ok=True)  # every shard may be first: exist_ok
+    opts.output = output
+    return shard
+
+
+def _run_ray(opts: GenerateOptions, sampling, keep: tuple[str, ...], engine_config) -> int:
+    """`--ray`: the same checks and output columns, on --replicas Ray actors (see cbrun.scale.ray_job)."""
+    from dataclasses import asdict
+
+    from cbrun.scale.ray_job import (ProgressLines, RayJobError, RayProgress, default_cpus, run_ray_job, start_ray,
+                                     summary)
+
+    if opts.resume:
+        raise CliError("--resume does not work with --ray yet; write to a new OUTPUT, or shard the job instead "
+                       "(--num-shards), which resumes per shard")
+    if opts.format == OutputFormat.openai:
+        raise CliError("--format openai does not work with --ray (it writes cbrun rows)")
+    if opts.replicas < 1 or opts.threads_per_replica < 1:
+        raise CliError("--replicas and --threads-per-replica must be at least 1")
+    if opts.cpus_per_replica is not None and opts.cpus_per_replica <= 0:
+        raise CliError(f"--cpus-per-replica must be > 0, got {opts.cpus_per_replica}")
+    target = OutputTarget.parse(opts.output, opts.input)
+    target.check_existing(False, opts.overwrite)
+    source = _open_input(opts, keep)
+    if _is_openai_input(source):
+        raise CliError("OpenAI Batch API input does not work with --ray; run it without --ray")
+    fmt = _formats("cbrun", False, None, opts, keep)[0]
+    generator = dict(model=opts.model, sampling={k: v for k, v in asdict(sampling).items() if k != "top_logprobs"},
+                     engine=asdict(engine_config), dtype=opts.dtype.value, device=opts.device.value,
+                     logprobs=opts.logprobs, top_logprobs=opts.top_logprobs, prompt_token_ids=opts.prompt_token_ids,
+                     keep_columns=keep, prompt_column=opts.prompt_column, chat=opts.chat)
+    cpus = opts.cpus_per_replica or default_cpus(opts.threads_per_replica, opts.replicas, opts.ray_address is None)
+    progress = RayProgress()
+    with _claim_stdout(target.kind == "stdout") as data_stream:
+        write_block, close = _ray_output(target, fmt, data_stream)
+        try:
+            start_ray(opts.ray_address, opts.threads_per_replica, opts.quiet)
+            with contextlib.nullcontext() if opts.quiet else ProgressLines(progress):
+                run_ray_job(source, write_block, progress, generator=generator, replicas=opts.replicas,
+                            threads=opts.threads_per_replica, cpus_per_replica=cpus, window=opts.window)
+        except RayJobError as exc:
+            raise CliError(f"{exc}; the part files written so far are kept", EXIT_ROWS_FAILED) from None
+        finally:
+            close()
+    where = "stdout" if target.path is None else str(target.path)
+    if not opts.quiet:
+        for line in summary(progress, where):
+            print(line, file=sys.stderr)
+    if progress.rows_failed:
+        print(f"{progress.rows_failed} of {progress.rows_done} rows failed (see the error column of {where})",
+              file=sys.stderr)
+        return EXIT_ROWS_FAILED
+    return EXIT_OK
+
+
+def _ray_output(target: OutputTarget, fmt, data_stream):
+    """(write a result table, close): Parquet OUTPUT is a directory of part files, JSON Lines one file."""
+    from cbrun.data.writers import ParquetParts
+
+    if target.kind == "parquet":
+        if target.path.is_dir():  # check_existing refused it unless --overwrite: drop the old parts only
+            for old in target.path.glob("part-*.parquet*"):
+                old.unlink()
+        elif target.path.exists():
+            target.path.unlink()
+        parts = ParquetParts(target.path)
+        return parts.write_table, parts.close
+    writer = target.open_writer(fmt, data_stream, append=False)
+
+    def write(table) -> None:
+        for row in table.to_pylist():
+            writer.write(row)
+        writer.flush()
+
+    return write, writer.close
+
+
+def _select_rows(source, shard):
+    from cbrun.scale.shards import select_rows
+
+    return select_rows(source, shard)
 
 
 def _sampling(opts: GenerateOptions):
@@ -405,8 +544,10 @@ def _interrupts(job, dashboard):
             signal.signal(sig, handler)
 
 
-def _report(progress, dashboard, target: OutputTarget, opts: GenerateOptions) -> int:
+def _report(progress, dashboard, target: OutputTarget, opts: GenerateOptions, shard=None) -> int:
     where = "stdout" if target.path is None else str(target.path)
+    if shard is not None:
+        where += f" (shard {shard.index} of {shard.count})"
     if progress.interrupted:
         code = EXIT_INTERRUPTED
         line = (f"interrupted: {progress.rows_done} rows done; run the same command with --resume to finish"
@@ -418,6 +559,9 @@ def _report(progress, dashboard, target: OutputTarget, opts: GenerateOptions) ->
         code = EXIT_OK
         line = f"{progress.rows_done} rows done, written to {where}"
     if dashboard is not None:
-        dashboard.print_summary([("output", where)])
+        extra = [("output", where if shard is None else str(target.path or "stdout"))]
+        if shard is not None:
+            extra.append(("shard", shard.describe()))
+        dashboard.print_summary(extra)
         dashboard.note(line)
     return code

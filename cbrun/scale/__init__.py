@@ -1,0 +1,1 @@
+"""Past one machine: deterministic shards (`shards`) and Ray Data (`ray_data`), with no coordinator of our own."""
