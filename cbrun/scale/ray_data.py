@@ -62,6 +62,7 @@ class CbrunGenerator:
 
         if threads is not None:
             torch.set_num_threads(threads)
+        _quiet_loading()
         self._model, self._tokenizer = load_model(model, dtype=dtype, device=device)
         self.sampling = SamplingParams(**{**(sampling or {}), **({"top_logprobs": top_logprobs} if top_logprobs else {})})
         self.engine = Engine(self._model, self._tokenizer, EngineConfig(**(engine or {})))
@@ -84,6 +85,14 @@ class CbrunGenerator:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.destroy()
+
+
+def _quiet_loading() -> None:
+    """No weight-loading progress bars from every actor in the driver's log."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
 
 
 def raw_rows(batch: Any) -> list[RawRow]:
@@ -109,8 +118,10 @@ def _from_raw_columns(record: dict) -> RawRow:
 def _records(batch: Any) -> list[dict]:
     if hasattr(batch, "to_pylist"):  # pyarrow Table (batch_format="pyarrow", recommended)
         return batch.to_pylist()
-    if hasattr(batch, "to_dict") and hasattr(batch, "columns"):  # pandas DataFrame
-        return batch.to_dict("records")
+    if hasattr(batch, "to_dict") and hasattr(batch, "columns"):  # pandas DataFrame: NaN means missing
+        import pyarrow as pa
+
+        return pa.Table.from_pandas(batch, preserve_index=False).to_pylist()
     columns = {name: _to_list(values) for name, values in dict(batch).items()}  # numpy dict ("default")
     size = len(next(iter(columns.values()), []))
     return [{name: values[i] for name, values in columns.items()} for i in range(size)]

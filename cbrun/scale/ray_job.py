@@ -8,8 +8,9 @@ The driver reads the whole input into Ray's object store first (prompts only,
 a few hundred bytes a row), so every row's number is known and bad lines
 become the same error rows as without Ray. Results come back a block at a time
 as actors finish them, and each block is written at once. A block whose actor
-dies is run again by Ray (up to MAX_RETRIES times) and only the successful
-attempt reaches the driver, so no row is lost or written twice.
+dies is run again by Ray on a restarted actor (Ray Data's defaults restart and
+retry without limit) and only the successful attempt reaches the driver, so no
+row is lost or written twice.
 
 On a small machine an actor that reserves a whole CPU per engine can leave Ray
 nothing for its own tasks and hang; by default a local cluster reserves at
@@ -32,7 +33,6 @@ from pathlib import Path
 from cbrun.data.reader import RawRow
 from cbrun.scale.ray_data import ERROR, LINE, RECORD, ROW, CbrunGenerator
 
-MAX_RETRIES = 3  # actor restarts and block retries before the job fails
 BLOCKS_PER_REPLICA = 4  # small enough blocks that every replica stays busy to the end
 
 
@@ -133,8 +133,9 @@ def start_ray(address: str | None, threads: int, quiet: bool) -> None:
 
 
 def run_ray_job(rows: Iterable[RawRow], write_block, progress: RayProgress, *, generator: dict, replicas: int,
-                threads: int, cpus_per_replica: float, window: int) -> None:
-    """Run every row through `replicas` CbrunGenerator actors; `write_block(table)` each result block."""
+                threads: int, cpus_per_replica: float, window: int, udf: type = CbrunGenerator) -> None:
+    """Run every row through `replicas` actors of `udf` (CbrunGenerator or a subclass of it, which gets
+    `generator` as keyword arguments); `write_block(table)` each result block as it arrives."""
     import ray
 
     rows = list(rows)
@@ -144,9 +145,8 @@ def run_ray_job(rows: Iterable[RawRow], write_block, progress: RayProgress, *, g
     size = block_size(len(rows), replicas, window)
     ds = ray.data.from_arrow(list(raw_blocks(rows, size)))  # one block per batch: the unit of retry
     results = ds.map_batches(
-        CbrunGenerator, fn_constructor_kwargs={**generator, "threads": threads}, batch_format="pyarrow",
-        batch_size=size, concurrency=replicas, num_cpus=cpus_per_replica,
-        max_restarts=MAX_RETRIES, max_task_retries=MAX_RETRIES)
+        udf, fn_constructor_kwargs={**generator, "threads": threads}, batch_format="pyarrow",
+        batch_size=size, concurrency=replicas, num_cpus=cpus_per_replica)  # Ray Data restarts dead actors
     try:
         for table in results.iter_batches(batch_format="pyarrow", batch_size=None):
             if table.num_rows:
