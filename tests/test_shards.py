@@ -210,3 +210,16 @@ def test_a_killed_shard_resumes_alone_with_no_duplicates_or_gaps(tiny_llama_dir,
     assert sorted(r["id"] for r in resumed) == mine
     expected = {r["id"]: r["completion_token_ids"] for r in read_jsonl(reference / "part-00001-of-00002.jsonl")}
     assert {r["id"]: r["completion_token_ids"] for r in resumed} == expected
+
+
+def test_a_sharded_json_lines_output_directory_reads_back_as_one_input(tmp_path):
+    from cbrun.data.reader import open_input
+
+    directory = tmp_path / "out.jsonl"
+    directory.mkdir()
+    write_jsonl(directory / "part-00000-of-00002.jsonl", [{"id": "a"}, {"id": "b"}])
+    write_jsonl(directory / "part-00001-of-00002.jsonl", [{"id": "c"}])
+    (directory / "part-00001-of-00002.jsonl.tmp").write_text("not read\n")
+    source = open_input(str(directory))
+    assert source.total == 3
+    assert [(r.index, r.record["id"]) for r in source] == [(0, "a"), (1, "b"), (2, "c")]

@@ -1,7 +1,7 @@
 """Input readers: every source yields `RawRow`s, one per input row, streamed.
 
-Sources: JSON Lines (a file or stdin), a JSON array file, a Parquet file or a
-directory of Parquet files, and Hugging Face datasets (a directory written by
+Sources: JSON Lines (a file, a directory of `.jsonl` part files, or stdin), a
+JSON array file, a Parquet file or a directory of Parquet files, and Hugging Face datasets (a directory written by
 `save_to_disk`, or a dataset name loaded with `load_dataset(..., streaming=True)`,
 which reads the local cache when `HF_DATASETS_OFFLINE=1`).
 
@@ -95,6 +95,8 @@ def open_input(spec: str | None, *, dataset: str | None = None, split: str | Non
     if path.is_dir():
         if _is_saved_hf_dataset(path):
             return _open_hf(str(path), split)
+        if not any(path.rglob("*.parquet")) and any(path.glob("*.jsonl")):
+            return _open_jsonl_parts(path)  # the part files of a sharded JSON Lines output
         return _open_parquet(path, columns)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
@@ -155,6 +157,23 @@ def _open_json_array(path: Path) -> InputSource:
                 yield RawRow(index, None, f"not a JSON object (got {type(item).__name__})")
 
     return InputSource(str(path), rows(), len(items))
+
+
+def _open_jsonl_parts(directory: Path) -> InputSource:
+    """The `*.jsonl` files of a directory, in name order, as one input (row numbers run on across files)."""
+    files = sorted(p for p in directory.glob("*.jsonl") if p.is_file())
+
+    def rows() -> Iterator[RawRow]:
+        index = 0
+        for f in files:
+            for raw in iter_jsonl(f.open("rb"), close=True):
+                raw.index = index
+                index += 1
+                yield raw
+
+    counts = [count_jsonl_rows(f) for f in files]
+    total = None if None in counts else sum(counts)
+    return InputSource(str(directory), rows(), total)
 
 
 def count_jsonl_rows(path: Path, max_bytes: int = 4 << 30) -> int | None:
