@@ -12,6 +12,7 @@ import typer
 
 from cbrun.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, CliError
 from cbrun.cli.generate import generate
+from cbrun.cli.score import score
 
 app = typer.Typer(
     name="cbrun",
@@ -22,6 +23,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("generate")(generate)
+app.command("score")(score)
 
 
 def _register_bench() -> None:

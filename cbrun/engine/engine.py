@@ -135,6 +135,29 @@ class Engine:
         Never raises for a bad completion: its result carries the error.
         """
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        self._submit_score([self._prepare_score(prompt, completions, rid, samples, prompt_logprobs, top_logprobs)])
+        return rid
+
+    def score_batch(self, prompts: Sequence[Prompt], completions: Sequence[Sequence[Sequence[int]]], *,
+                    prompt_logprobs: bool = False, top_logprobs: int = 0) -> list[GenerationOutput]:
+        """Blocking: score completions[i] (a list of token-id lists) after prompts[i]; results in
+        input order, the completions of one prompt adjacent. All requests arrive in one step's
+        inbox, prefix-sorted, as `add_requests` submits them."""
+        if len(prompts) != len(completions):
+            raise ValueError("completions must have one list per prompt")
+        ids = [f"score-{next(self._ids)}" for _ in prompts]
+        groups = [self._prepare_score(prompt, group, rid, None, prompt_logprobs, top_logprobs)
+                  for rid, prompt, group in zip(ids, prompts, completions)]
+        self._submit_score(sorted(groups, key=lambda group: group[0].all_token_ids if group else []))
+        outputs = []
+        for rid, group in zip(ids, completions):
+            samples = [self._results.get(rid, timeout=None) for _ in group]
+            outputs.extend(sorted(samples, key=lambda o: o.sample_index))
+        return outputs
+
+    def _prepare_score(self, prompt, completions, rid: str, samples, prompt_logprobs: bool,
+                       top_logprobs: int) -> list[Request]:
+        """Tokenize and validate outside the lock: one scoring Request per completion."""
         samples = list(samples) if samples is not None else list(range(len(completions)))
         if len(samples) != len(completions) or len(set(samples)) != len(samples):
             raise ValueError("samples must give one distinct index per completion")
@@ -150,37 +173,27 @@ class Engine:
             error = prompt_error or (tokens if isinstance(tokens, str) else self.core.validate_score(ids, tokens))
             spec = ScoreSpec(tuple(tokens) if error is None else (), prompt_logprobs, top_logprobs)
             prepared.append(Request(rid, sample, ids, params, 0, 0, score=spec, error=error))
+        return prepared
+
+    def _submit_score(self, groups: list[list[Request]]) -> None:
+        """Hand prepared scoring requests (a list per request id) to the loop in one go."""
         with self._inbox_cond:
             if self._closed or self._draining:
                 raise RuntimeError("engine is stopped; no new requests are accepted")
-            if self._results.is_active(rid):
-                for request in prepared:
-                    request.error = f"duplicate request id {rid!r}: a request with this id is still running"
-            self._results.expect(rid, len(prepared), False)
-            for request in prepared:
-                request.arrival_order = next(self._arrivals)
-                if request.error is not None:
-                    request.status, request.finish_reason = RequestStatus.FAILED, "error"
-                    self._deliver_finished(request)
-                else:
-                    self._inbox.append(request)
+            for group in groups:
+                if group and self._results.is_active(group[0].request_id):
+                    for request in group:
+                        request.error = f"duplicate request id {request.request_id!r}: a request with this id is still running"
+                if group:
+                    self._results.expect(group[0].request_id, len(group), False)
+                for request in group:
+                    request.arrival_order = next(self._arrivals)
+                    if request.error is not None:
+                        request.status, request.finish_reason = RequestStatus.FAILED, "error"
+                        self._deliver_finished(request)
+                    else:
+                        self._inbox.append(request)
             self._inbox_cond.notify()
-        return rid
-
-    def score_batch(self, prompts: Sequence[Prompt], completions: Sequence[Sequence[Sequence[int]]], *,
-                    prompt_logprobs: bool = False, top_logprobs: int = 0) -> list[GenerationOutput]:
-        """Blocking: score completions[i] (a list of token-id lists) after prompts[i]; results in
-        input order, the completions of one prompt adjacent."""
-        if len(prompts) != len(completions):
-            raise ValueError("completions must have one list per prompt")
-        ids = [f"score-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, group in zip(ids, prompts, completions):
-            self.add_score_request(prompt, group, rid, prompt_logprobs=prompt_logprobs, top_logprobs=top_logprobs)
-        outputs = []
-        for rid, group in zip(ids, completions):
-            samples = [self._results.get(rid, timeout=None) for _ in group]
-            outputs.extend(sorted(samples, key=lambda o: o.sample_index))
-        return outputs
 
     # -- the loop -----------------------------------------------------------
     def _loop(self) -> None:
