@@ -18,8 +18,8 @@ import typer
 from cbrun.cli.common import (DEFAULT_MODEL, EXIT_OK, EXIT_ROWS_FAILED, MODEL_PANEL, CliError, CpuOffloadOption, Device,
                               DeviceOption, Dtype, DtypeOption, MaxBatchTokensOption, MaxMemoryPercentOption,
                               MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption, NumBlocksOption,
-                              PageSizeOption, SafetyMarginOption, SchedulerOption, build_engine_config, load_model,
-                              quiet_libraries)
+                              PageSizeOption, RevisionOption, SafetyMarginOption, SchedulerOption, build_engine_config,
+                              load_model, quiet_libraries)
 
 WORKLOAD_PANEL, PEERS_PANEL, OUTPUT_PANEL = "Workload", "Engines compared", "Output"
 DEFAULT_NUM_PROMPTS = 256
@@ -62,6 +62,7 @@ def bench(
     model: ModelOption = DEFAULT_MODEL,
     dtype: DtypeOption = Dtype.auto,
     device: DeviceOption = Device.auto,
+    revision: RevisionOption = None,
     threads: Annotated[Optional[int], typer.Option(
         help="CPU threads for every engine (torch.set_num_threads; vLLM binds cores 0..N-1). Default: torch's.",
         show_default=False, rich_help_panel=MODEL_PANEL)] = None,
@@ -107,7 +108,7 @@ def bench(
         torch.set_num_threads(threads)
     progress = Progress(quiet=quiet)
     progress.message(f"[bench] loading {model}")
-    model_obj, tokenizer = load_model(model, dtype, device)
+    model_obj, tokenizer = load_model(model, dtype, device, revision)
 
     workload, warmup, skipped = _workloads(
         model_obj, tokenizer, dataset_path, num_prompts, input_len, output_len, random_range_ratio, prefix_len,
@@ -115,7 +116,7 @@ def bench(
     if skipped:
         progress.message(f"[bench] {len(skipped)} dataset rows skipped, first: {skipped[0]}")
     config = {
-        "model": model, "engines": engines, "dtype": dtype.value,
+        "model": model, "revision": revision, "engines": engines, "dtype": dtype.value,
         "dtype_resolved": str(model_obj.dtype).removeprefix("torch."), "device": str(model_obj.device),
         "workload": workload.source, "num_prompts": workload.num_prompts, "input_len": input_len,
         "output_len": output_len, "random_range_ratio": random_range_ratio, "prefix_len": prefix_len, "n": n,

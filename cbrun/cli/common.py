@@ -47,8 +47,10 @@ class Scheduler(str, Enum):
 MODEL_PANEL, ENGINE_PANEL = "Model", "Engine"
 DEFAULT_MODEL = "smollm2-135m"
 
-ModelOption = Annotated[str, typer.Option("--model", "-m", help="HF model dir, cached hub id, .gguf file or alias.",
-                                          rich_help_panel=MODEL_PANEL)]
+ModelOption = Annotated[str, typer.Option("--model", "-m", help="HF model dir, hub id (downloaded unless cached or "
+                                          "HF_HUB_OFFLINE=1), .gguf file or alias.", rich_help_panel=MODEL_PANEL)]
+RevisionOption = Annotated[Optional[str], typer.Option(help="Branch, tag or commit of a hub --model.",
+                                                       show_default=False, rich_help_panel=MODEL_PANEL)]
 DtypeOption = Annotated[Dtype, typer.Option(help="Weights and compute dtype (auto: bf16 where the CPU is fast at it).",
                                             rich_help_panel=MODEL_PANEL)]
 DeviceOption = Annotated[Device, typer.Option(help="Where to run.", rich_help_panel=MODEL_PANEL)]
@@ -99,12 +101,13 @@ def build_engine_config(*, page_size: int | None = None, num_blocks: int | None 
         raise CliError(f"invalid engine option: {exc}") from None
 
 
-def load_model(spec: str, dtype: Dtype | str, device: Device | str):
+def load_model(spec: str, dtype: Dtype | str, device: Device | str, revision: str | None = None):
     """`cbrun.models.load_model`, with every failure turned into a one-line CliError."""
     from cbrun.models import ModelLoadError, load_model as load
 
     try:
-        return load(spec, dtype=getattr(dtype, "value", dtype), device=getattr(device, "value", device))
+        return load(spec, dtype=getattr(dtype, "value", dtype), device=getattr(device, "value", device),
+                    revision=revision)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
@@ -130,3 +133,6 @@ def quiet_libraries(quiet: bool) -> None:
         logging.getLogger().setLevel(logging.ERROR)
         os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()  # the variable above is read only when huggingface_hub is first imported

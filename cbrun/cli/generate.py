@@ -23,8 +23,8 @@ import typer
 from cbrun.cli.common import (DEFAULT_MODEL, EXIT_INTERRUPTED, EXIT_OK, EXIT_ROWS_FAILED, CliError,
                               CpuOffloadOption, Device, DeviceOption, Dtype, DtypeOption, MaxBatchTokensOption,
                               MaxMemoryPercentOption, MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption,
-                              NumBlocksOption, PageSizeOption, SafetyMarginOption, SchedulerOption, build_engine_config,
-                              first_line, load_model, quiet_libraries)
+                              NumBlocksOption, PageSizeOption, RevisionOption, SafetyMarginOption, SchedulerOption,
+                              build_engine_config, first_line, load_model, quiet_libraries)
 
 INPUT_PANEL, SAMPLING_PANEL, OUTPUT_PANEL = "Input", "Sampling (rows may override)", "Output"
 SCALE_PANEL = "Past one machine (shards, Ray)"
@@ -67,6 +67,7 @@ class GenerateOptions:
     window: int = 4096
     dtype: Dtype = Dtype.auto
     device: Device = Device.auto
+    revision: str | None = None
     engine: dict = field(default_factory=dict)  # build_engine_config keyword arguments
     num_shards: int | None = None
     shard_index: int | None = None
@@ -131,6 +132,7 @@ def generate(
                                         rich_help_panel=OUTPUT_PANEL)] = False,
     dtype: DtypeOption = Dtype.auto,
     device: DeviceOption = Device.auto,
+    revision: RevisionOption = None,
     page_size: PageSizeOption = None,
     num_blocks: NumBlocksOption = None,
     max_batch_tokens: MaxBatchTokensOption = None,
@@ -150,7 +152,7 @@ def generate(
         help="The shard this process runs, 0..N-1. Default: SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), "
              "JOB_COMPLETION_INDEX or RANK.", show_default=False, rich_help_panel=SCALE_PANEL)] = None,
     ray: Annotated[bool, typer.Option(
-        "--ray", help="Run on Ray (pip install 'cbrun[ray]'): --replicas engine actors; a Parquet OUTPUT "
+        "--ray", help="Run on Ray (pip install 'cbrun\\[ray]'): --replicas engine actors; a Parquet OUTPUT "
                       "becomes a directory of part files written as results finish; row order is not kept.",
         rich_help_panel=SCALE_PANEL)] = False,
     ray_address: Annotated[Optional[str], typer.Option(
@@ -175,7 +177,7 @@ def generate(
         chat=chat, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         seed=seed, n=n, stop=list(stop or []), ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
         keep_columns=keep_columns, prompt_token_ids=prompt_token_ids, format=format, resume=resume,
-        overwrite=overwrite, quiet=quiet, window=window, dtype=dtype, device=device, engine=engine,
+        overwrite=overwrite, quiet=quiet, window=window, dtype=dtype, device=device, revision=revision, engine=engine,
         num_shards=num_shards, shard_index=shard_index, ray=ray, ray_address=ray_address, replicas=replicas,
         threads_per_replica=threads_per_replica, cpus_per_replica=cpus_per_replica)
     return run_generate(options)
@@ -210,7 +212,7 @@ def run_generate(opts: GenerateOptions) -> int:
     resume_state = _resume_state(target, fmt_name) if opts.resume else None
 
     with _claim_stdout(target.kind == "stdout") as data_stream:
-        model, tokenizer = load_model(opts.model, opts.dtype, opts.device)
+        model, tokenizer = load_model(opts.model, opts.dtype, opts.device, opts.revision)
         if opts.chat and not getattr(tokenizer, "chat_template", None):
             raise CliError(f"--chat: the tokenizer of {opts.model!r} has no chat template")
         fmt, converter = _formats(fmt_name, openai_input, tokenizer, opts, keep)
