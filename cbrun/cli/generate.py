@@ -346,7 +346,7 @@ def _run_ray(opts: GenerateOptions, sampling, keep: tuple[str, ...], engine_conf
     generator = dict(model=opts.model, sampling={k: v for k, v in asdict(sampling).items() if k != "top_logprobs"},
                      engine=asdict(engine_config), dtype=opts.dtype.value, device=opts.device.value,
                      logprobs=opts.logprobs, top_logprobs=opts.top_logprobs, prompt_token_ids=opts.prompt_token_ids,
-                     keep_columns=keep, prompt_column=opts.prompt_column, chat=opts.chat)
+                     keep_columns=keep, prompt_column=opts.prompt_column, chat=opts.chat, revision=opts.revision)
     cpus = opts.cpus_per_replica or default_cpus(opts.threads_per_replica, opts.replicas, opts.ray_address is None)
     progress = RayProgress()
     with _claim_stdout(target.kind == "stdout") as data_stream:

@@ -48,13 +48,13 @@ class CbrunGenerator:
     engine: EngineConfig fields (page_size, num_blocks, max_batch_tokens, ...).
     threads: torch / OpenMP threads of this actor's engine; set it to the CPUs the actor reserves,
         or every actor starts one thread per core and they fight over them.
-    logprobs, top_logprobs, prompt_token_ids, keep_columns, prompt_column, chat: as the CLI flags.
+    logprobs, top_logprobs, prompt_token_ids, keep_columns, prompt_column, chat, revision: as the CLI flags.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, sampling: dict | None = None, engine: dict | None = None,
                  dtype: str = "auto", device: str = "auto", threads: int | None = None, logprobs: bool = False,
                  top_logprobs: int = 0, prompt_token_ids: bool = False, keep_columns: tuple[str, ...] = (),
-                 prompt_column: str | None = None, chat: bool = False):
+                 prompt_column: str | None = None, chat: bool = False, revision: str | None = None):
         import torch
 
         from cbrun.engine import Engine, EngineConfig, SamplingParams
@@ -63,7 +63,7 @@ class CbrunGenerator:
         if threads is not None:
             torch.set_num_threads(threads)
         _quiet_loading()
-        self._model, self._tokenizer = load_model(model, dtype=dtype, device=device)
+        self._model, self._tokenizer = load_model(model, dtype=dtype, device=device, revision=revision)
         self.sampling = SamplingParams(**{**(sampling or {}), **({"top_logprobs": top_logprobs} if top_logprobs else {})})
         self.engine = Engine(self._model, self._tokenizer, EngineConfig(**(engine or {})))
         self.fmt = CbrunFormat(logprobs=logprobs, top_logprobs=self.sampling.top_logprobs > 0,
