@@ -36,9 +36,20 @@ SUPPORTED_MODEL_TYPES = frozenset(
     {
         "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2",
         "gemma3", "gemma3_text", "phi3", "olmo2", "granite", "helium",
-        "smollm3", "starcoder2", "qwen3_moe", "mixtral", "olmoe",
+        "smollm3", "starcoder2", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
     }
 )  # fmt: skip
+
+# Causal LMs people name that the engine cannot drive, and why (one line each).
+_STATE_CACHE = "recurrent (state-space or linear-attention) layers, which need a state cache the engine lacks"
+UNSUPPORTED_REASONS = {
+    "gpt_oss": "its attention adds learned sink logits, which the paged attention does not",
+    "deepseek_v2": "multi-head latent attention (keys and values of different head sizes)",
+    "deepseek_v3": "multi-head latent attention (keys and values of different head sizes)",
+    "llama4": "chunked-attention layers",
+    **{t: _STATE_CACHE for t in ("mamba", "mamba2", "jamba", "bamba", "falcon_h1", "zamba", "zamba2", "qwen3_next",
+                                 "lfm2")},
+}
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -331,6 +342,9 @@ def check_supported(config, spec: str = "") -> None:
     model_type = getattr(config, "model_type", None)
     if model_type in SUPPORTED_MODEL_TYPES:
         return
+    if model_type in UNSUPPORTED_REASONS:
+        raise ModelLoadError(f"Cannot load model {spec!r}: model type {model_type!r} is not supported: "
+                             f"{UNSUPPORTED_REASONS[model_type]}.")
     archs = ", ".join(getattr(config, "architectures", None) or []) or "unknown architecture"
     raise ModelLoadError(
         f"Cannot load model {spec!r}: model type {model_type!r} ({archs}) is not supported. "

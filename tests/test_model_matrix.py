@@ -83,7 +83,11 @@ MATRIX: list[Arch] = [
          dict(num_local_experts=4, num_experts_per_tok=2)),
     Arch("olmoe", "OlmoeConfig", "OLMoE 1B-7B", "full", False, "mixture-of-experts MLP",
          dict(num_experts=8, num_experts_per_tok=2)),
+    Arch("qwen2_moe", "Qwen2MoeConfig", "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B", "full", False,
+         "mixture-of-experts MLP with a shared expert",
+         dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)),
 ]
+MOE_TYPES = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe"}
 
 # Prompts crossing the window and the token budget, two sharing a 40-token prefix (a prefix-cache hit
 # where the model has no sliding layers), and lengths of new tokens that outlast the window.
@@ -150,10 +154,54 @@ def test_engine_fast_path_matches_generate_and_plain_forward(arch, tiny_tokenize
         assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch", [a for a in MATRIX if a.model_type in MOE_TYPES], ids=lambda a: a.model_type)
+def test_moe_experts_route_tokens_sorted_by_expert(arch, tiny_tokenizer, tmp_path):
+    """transformers' `grouped_mm` experts sort the (token, expert) pairs by expert and run one grouped GEMM;
+    its `eager` fallback loops over experts in Python (about 1.5x slower at 32 decode rows, README)."""
+    from cbrun.models import load_model
+
+    model, _ = load_model(str(save_tiny_model(_tiny_config(arch), tiny_tokenizer, tmp_path)), dtype="float32")
+
+    assert model.config._experts_implementation == "grouped_mm"
+
+
+def test_multimodal_gemma3_keeps_the_logits_of_its_text_decoder(tiny_tokenizer, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cbrun.models import load_model
+
+    arch = next(a for a in MATRIX if a.model_type == "gemma3")
+    directory = save_tiny_model(_tiny_config(arch), tiny_tokenizer, tmp_path)
+    text_model, _ = load_model(str(directory), dtype="float32")
+    full = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44]])
+
+    assert type(text_model).__name__ == "Gemma3ForCausalLM" and type(full).__name__ != "Gemma3ForCausalLM"
+    assert not any(p.is_meta for p in text_model.parameters())
+    with torch.no_grad():
+        assert torch.equal(text_model(ids).logits, full(ids).logits)
+
+
 def test_matrix_covers_exactly_the_supported_types():
-    from cbrun.models import SUPPORTED_MODEL_TYPES
+    from cbrun.models import SUPPORTED_MODEL_TYPES, UNSUPPORTED_REASONS
 
     assert {a.model_type for a in MATRIX} == SUPPORTED_MODEL_TYPES
+    assert not SUPPORTED_MODEL_TYPES & set(UNSUPPORTED_REASONS)
+
+
+@pytest.mark.parametrize("config_class,model_type", [("GptOssConfig", "gpt_oss"), ("DeepseekV3Config", "deepseek_v3")])
+def test_known_unsupported_type_is_refused_at_load_with_its_reason(tmp_path, config_class, model_type):
+    import transformers
+
+    from cbrun.models import UNSUPPORTED_REASONS, ModelLoadError, load_model
+
+    getattr(transformers, config_class)(num_hidden_layers=1).save_pretrained(tmp_path)  # no weights needed
+
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(tmp_path))
+
+    assert UNSUPPORTED_REASONS[model_type] in str(info.value) and "\n" not in str(info.value)
 
 
 def matrix_table() -> str:
