@@ -29,6 +29,7 @@ ROWS = [
 ]
 SAMPLING = dict(max_tokens=6, temperature=0.0)
 ENGINE = dict(num_blocks=128, page_size=16)
+# no `threads=`: it would call torch.set_num_threads for every later test of this pytest process
 
 
 def table_of(rows: list[dict]) -> pa.Table:
@@ -39,7 +40,7 @@ def table_of(rows: list[dict]) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def generator(tiny_llama_dir):
-    return CbrunGenerator(str(tiny_llama_dir), sampling=SAMPLING, engine=ENGINE, threads=1, logprobs=True)
+    return CbrunGenerator(str(tiny_llama_dir), sampling=SAMPLING, engine=ENGINE, logprobs=True)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def test_rows_sent_by_cbrun_generate_ray_keep_their_row_numbers_in_error_message
 
 
 def test_kept_columns_of_mixed_types_become_json_text(tiny_llama_dir):
-    generator = CbrunGenerator(str(tiny_llama_dir), sampling=SAMPLING, engine=ENGINE, threads=1,
+    generator = CbrunGenerator(str(tiny_llama_dir), sampling=SAMPLING, engine=ENGINE,
                                keep_columns=("meta",))
     table = generator({"id": np.array(["a", "b"], dtype=object), "prompt": np.array(["fox", "dog"], dtype=object),
                        "meta": np.array([{"k": 1}, "text"], dtype=object)})
