@@ -73,7 +73,8 @@ def test_text_completions_are_tokenized_alone_after_the_prompt(tiny_llama_dir, t
     assert score(tiny_llama_dir, write_jsonl(tmp_path / "in.jsonl", rows), out) == 0
     got = {(r["id"], r["sample"]): r for r in read_jsonl(out)}
     text_prompt = tokenizer("the quick brown fox")["input_ids"]  # as generate encodes it: with BOS
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     chat_prompt = tokenizer(chat, add_special_tokens=False)["input_ids"]
     for key, prompt, text in [(("t", 0), text_prompt, " jumps over"), (("t", 1), text_prompt, " is lazy"),
                               (("c", 0), chat_prompt, "hello world")]:

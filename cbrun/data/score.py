@@ -37,6 +37,7 @@ from cbrun.engine.config import SamplingParams
 from cbrun.engine.request import GenerationOutput
 
 COMPLETION_FIELDS = ("completions_token_ids", "completions", "completion_token_ids", "completion")
+TEXT_FIELDS = ("completions", "completion")
 SCORE_PROMPT_IDS = "prompt_token_ids"
 SCORE_COLUMNS = ("id", "sample", "completion_token_ids", "logprobs", "sum_logprob", "num_completion_tokens",
                  "is_greedy", "top_logprobs", "prompt_logprobs", "num_cached_tokens", "error")
@@ -115,10 +116,10 @@ class ScorePreparer(RowPreparer):
         """Prompt token ids as `RowPreparer.tokenize`; completion texts encoded alone, no special tokens."""
         results = super().tokenize(specs)
         ready = [spec for spec in results if isinstance(spec, ScoreRowSpec)]
-        texts = [c for spec in ready if spec.completion_field in ("completions", "completion") for c in spec.completions]
+        texts = [c for spec in ready if spec.completion_field in TEXT_FIELDS for c in spec.completions]
         encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
         for spec in ready:
-            if spec.completion_field in ("completions", "completion"):
+            if spec.completion_field in TEXT_FIELDS:
                 spec.completion_ids = [list(next(encoded)) for _ in spec.completions]
             else:
                 spec.completion_ids = [list(c) for c in spec.completions]
@@ -151,7 +152,7 @@ def _completions(record: dict) -> tuple[str, list[Any]] | str:
         items = value if name.startswith("completions") else [value]
         if name.startswith("completions") and (not isinstance(value, list) or not value):
             return f"{name}: must be a non-empty list"
-        text = name in ("completions", "completion")
+        text = name in TEXT_FIELDS
         for index, item in enumerate(items):
             label = f"{name}[{index}]" if name.startswith("completions") else name
             if text and (not isinstance(item, str) or not item):
@@ -211,8 +212,8 @@ class ScoreFormat:
         return row
 
     def bad_row(self, bad: BadRow) -> dict:
-        row = {"id": bad.id, "sample": (bad.meta or {}).get("sample", 0), "completion_token_ids": [], "logprobs": [], "sum_logprob": None,
-               "num_completion_tokens": 0, "is_greedy": None}
+        row = {"id": bad.id, "sample": (bad.meta or {}).get("sample", 0), "completion_token_ids": [],
+               "logprobs": [], "sum_logprob": None, "num_completion_tokens": 0, "is_greedy": None}
         if self.top_logprobs:
             row["top_logprobs"] = []
         if self.prompt_logprobs:

@@ -182,8 +182,9 @@ class Engine:
                 raise RuntimeError("engine is stopped; no new requests are accepted")
             for group in groups:
                 if group and self._results.is_active(group[0].request_id):
+                    message = f"duplicate request id {group[0].request_id!r}: a request with this id is still running"
                     for request in group:
-                        request.error = f"duplicate request id {request.request_id!r}: a request with this id is still running"
+                        request.error = message
                 if group:
                     self._results.expect(group[0].request_id, len(group), False)
                 for request in group:
