@@ -141,8 +141,10 @@ def test_engine_fast_path_matches_generate_and_plain_forward(arch, tiny_tokenize
         ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0), request_id=f"p{i}")
                for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS))]
         results = {r.request_id: r for r in (engine.get_result(timeout=300) for _ in ids)}
+        stats = engine.stats()
 
     num_layers = engine_model.config.num_hidden_layers
+    assert stats.prefix_hit_tokens > 0 or arch.attention != "full", "the shared prefix was not reused"
     assert fused == (num_layers if arch.fused else fused), f"{fused} of {num_layers} layers fused"
     if not arch.fused:
         assert fused < num_layers, "every layer is fused: mark the type fused in MATRIX"
