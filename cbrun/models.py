@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -190,11 +191,25 @@ def _is_repo_id(spec: str) -> bool:
 
 def _cached_snapshot(spec: str, revision: str | None) -> str | None:
     """The cached snapshot folder of the hub id at `revision` (default branch when None) when it
-    holds a config.json; no network access, so a cached model never waits on the hub."""
+    holds a config.json and whole weights; no network access, so a cached model never waits on the hub."""
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(spec, "config.json", revision=revision)
-    return str(Path(found).parent) if isinstance(found, str) else None
+    if not isinstance(found, str) or not _has_weights(Path(found).parent):
+        return None
+    return str(Path(found).parent)
+
+
+def _has_weights(folder: Path) -> bool:
+    """Whether every weight file transformers will read is there (an interrupted download leaves some out)."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index_name).is_file():
+            try:
+                shards = set(json.loads((folder / index_name).read_text())["weight_map"].values())
+            except (OSError, ValueError, KeyError, AttributeError):
+                return False
+            return all((folder / shard).is_file() for shard in shards)
+    return (folder / "model.safetensors").is_file() or (folder / "pytorch_model.bin").is_file()
 
 
 # Files of a hub repo that transformers reads besides the weights: configs, tokenizer, chat template.

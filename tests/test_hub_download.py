@@ -151,6 +151,16 @@ def test_second_load_comes_from_the_cache_without_any_request(fake_hub, hub_env)
     assert len(fake_hub.requests) == before
 
 
+def test_interrupted_download_is_completed_not_taken_from_the_cache(fake_hub, hub_env):
+    load_model(REPO, dtype="float32")
+    snapshot = hub_env / "models--tiny-org--tiny-llama" / "snapshots" / COMMITS["main"]
+    (snapshot / "model.safetensors").unlink()  # as if the weights never finished
+
+    model, _ = load_model(REPO, dtype="float32")
+
+    assert model.config.model_type == "llama" and (snapshot / "model.safetensors").is_file()
+
+
 def test_revision_is_downloaded_and_cached_under_its_own_commit(fake_hub, hub_env):
     load_model(REPO, dtype="float32", revision="v1")
 
