@@ -1,9 +1,10 @@
-"""The compiled CPU decode kernel computes what the torch path computes."""
+"""The compiled CPU kernels compute what the torch paths compute."""
 
 import pytest
 import torch
 
 from cbrun.engine.attention import _decode
+from cbrun.engine.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.batch import DecodeLayout
 from cbrun.engine.cpu_kernels import load_cpu_kernels
 
@@ -17,6 +18,14 @@ def _layout(tables, kv_len, kv_lo, first_page, page):
     valid = (key_pos < kv_len[:, None]) & (key_pos >= kv_lo[:, None])
     bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, :]
     return DecodeLayout(tables, kv_len, kv_lo, first_page, pages=tables.reshape(-1), bias=bias)
+
+
+def _attend_decodes(q, k_pool, v_pool, tables, kv_len, kv_lo, first_page, scale):
+    """The kernel over one decode row per sequence (q [B, H, D]), tasks planned as the engine does."""
+    seqs = [SequenceRows(i, int(n) - 1, 1, t.tolist(), int(f)) for i, (t, n, f) in enumerate(zip(tables, kv_len, first_page))]
+    tasks = plan_tasks(seqs, k_pool.shape[2], kernels.segment, windowed=bool(kv_lo.any()))
+    rows = torch.arange(len(seqs))
+    return kernels.attend(q, k_pool, v_pool, tables, rows, first_page, kv_len, kv_lo, tasks, scale)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -33,7 +42,7 @@ def test_kernel_matches_torch_decode(dtype, tol, window):
     layout = _layout(tables, kv_len, kv_lo, first_page, page)
     q = torch.randn(heads, 4, dim).to(dtype)  # [H, B, D]
     expected = _decode(q, k_pool, v_pool, layout, 0.3)
-    got = kernels.decode(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, kv_len, kv_lo, first_page, 0.3)
+    got = _attend_decodes(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, kv_len, kv_lo, first_page, 0.3)
     assert got.dtype == dtype
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
 
@@ -53,7 +62,7 @@ def test_kernel_long_contexts_cross_pages_and_segments(dtype, tol, heads, kv_hea
     layout = _layout(tables, lengths, zeros, zeros, page)
     q = torch.randn(heads, len(lengths), dim).to(dtype)
     expected = _decode(q, k_pool, v_pool, layout, dim ** -0.5)
-    got = kernels.decode(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, lengths, zeros, zeros, dim ** -0.5)
+    got = _attend_decodes(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, lengths, zeros, zeros, dim ** -0.5)
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
@@ -115,17 +124,18 @@ def test_linear_kernel_matches_f_linear(rows, out_features, in_features, with_bi
     assert torch.allclose(got, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
-def test_small_batch_linears_install_and_uninstall():
-    from cbrun.engine.cpu_linear import MAX_KERNEL_ROWS, install_small_batch_linears, uninstall
+def test_kernel_linears_install_and_uninstall():
+    from cbrun.engine.cpu_linear import install_kernel_linears, uninstall
 
     torch.manual_seed(6)
     decoder = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8, bias=False))
-    small, large = torch.randn(1, 5, 16), torch.randn(1, MAX_KERNEL_ROWS + 1, 16)
+    small, large = torch.randn(1, 5, 16), torch.randn(1, 300, 16)
     with torch.no_grad():
         expected_small, expected_large = decoder(small), decoder(large)
-        patched = install_small_batch_linears(decoder, kernels)
+        patched = install_kernel_linears(decoder, kernels)
         assert len(patched) == 2 and all("forward" in m.__dict__ for m in patched)
         assert torch.allclose(decoder(small), expected_small, atol=1e-5)
-        assert torch.equal(decoder(large), expected_large)  # large batches stay on F.linear
+        assert torch.allclose(decoder(large), expected_large, atol=1e-5)
+        assert torch.equal(decoder(large)[:, :5], decoder(large[:, :5]))  # rows alone = rows in a crowd
         uninstall(patched)
     assert not any("forward" in m.__dict__ for m in patched)

@@ -44,7 +44,7 @@ def test_tiny_cache_gives_identical_greedy_output(pressure_case, offload_gib):
     for got, want in zip(outputs, baseline):
         assert got.error is None
         assert got.token_ids == want.token_ids
-        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        assert got.logprobs == want.logprobs  # bitwise: batch-invariant kernels
     assert stats.soft_resets > 0
     if offload_gib:
         assert stats.offloads > 0 and stats.restores > 0

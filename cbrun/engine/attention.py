@@ -5,12 +5,16 @@ once per layer with the new tokens' projections:
 
     query  [1, H, T, D]      key/value [1, H_kv, T, D]      -> output [1, T, H, D]
 
-The function writes the new K/V into the layer's page pool, then attends:
-all single-query sequences (decodes) in one batched call over their gathered
-pages with a key bias, and each prefill chunk with SDPA (plain causal when
-the chunk has no cached prefix, else an explicit bottom-right causal mask),
-or in fp32 on CPU with the compiled kernel when the chunk is plain causal.
-transformers builds no mask for our name, so the engine owns causality.
+The function writes the new K/V into the layer's page pool, then attends.
+With the compiled CPU kernel every query token is a row attended in place
+over its own keys, in one call for the whole step (csrc/attention.c): one
+arithmetic for decodes, prefill chunks and shared prefixes, so a token's
+output never depends on what else is in the step. The torch path (no
+compiler, other devices) attends single-query rows in one batched call over
+their gathered pages with a key bias, and each prefill chunk with SDPA
+(plain causal when the chunk has no cached prefix, else an explicit
+bottom-right causal mask). transformers builds no mask for our name, so the
+engine owns causality.
 Layers with attention logit soft-capping (Gemma 2) always take the torch
 paths, with the cap spelled out, since neither SDPA nor our kernels cap.
 """
@@ -22,7 +26,6 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from cbrun.engine.batch import DecodeLayout, PagedBatch, PrefillSeq
-from cbrun.engine.shared_prefix import attend_shared_prefixes
 
 ATTENTION_NAME = "cbrun_paged"
 BATCH_KWARG = "cbrun_batch"
@@ -47,17 +50,15 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
     if batch.num_rows:
         q = query[0, :, : batch.num_rows]  # [H, R, D]
-        if batch.decode_kernel is not None and not softcap:
-            out[: batch.num_rows] = _decode_with_kernel(batch.decode_kernel, q.transpose(0, 1).contiguous(),
-                                                        k_pool, v_pool, layout.decode, scale, batch.shared_kernel)
+        if batch.attend_kernel is not None and not softcap:
+            rows = layout.decode
+            out[: batch.num_rows] = batch.attend_kernel(
+                q.transpose(0, 1).contiguous(), k_pool, v_pool, rows.tables, rows.row_seq, rows.first_page,
+                rows.kv_len, rows.kv_lo, rows.tasks, scale)  # [R, H, D]
         else:
-            out[: batch.num_rows] = _decode(q, k_pool, v_pool, layout.decode, scale, softcap)
+            out[: batch.num_rows] = _decode(q, k_pool, v_pool, layout.decode.per_row(), scale, softcap)
     for seq in layout.prefills:
-        attended = None
-        if batch.prefill_kernel is not None and seq.causal_from is not None and not softcap:
-            attended = _prefill_with_kernel(batch.prefill_kernel, query, key, value, k_pool, v_pool, seq, scale)
-        out[seq.start: seq.end] = attended if attended is not None else \
-            _prefill(query, key, value, k_pool, v_pool, seq, scale, softcap)
+        out[seq.start: seq.end] = _prefill(query, key, value, k_pool, v_pool, seq, scale, softcap)
     return out.unsqueeze(0), None
 
 
@@ -66,16 +67,6 @@ def _write(k_pool, v_pool, key, value, slots) -> None:
     num_kv, num_blocks, page, dim = k_pool.shape
     k_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, key)
     v_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, value)
-
-
-def _decode_with_kernel(kernel, q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float,
-                        shared_kernel=None) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]; rows sharing a prefix attend to it together first (shared_prefix.py)."""
-    if not layout.shared:
-        return kernel(q, k_pool, v_pool, layout.tables, layout.kv_len, layout.kv_lo, layout.first_page, scale)
-    state = attend_shared_prefixes(q, k_pool, v_pool, layout.shared, scale, shared_kernel)
-    return kernel(q, k_pool, v_pool, layout.tables, layout.kv_len, layout.shared_lo, layout.first_page, scale,
-                  state)
 
 
 def _decode(q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float,
@@ -109,15 +100,6 @@ def _add_torch_addresses(layout: DecodeLayout, page: int) -> None:
 def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """Attention logit soft-capping (Gemma 2), applied to scaled scores before the mask."""
     return scores if not softcap else torch.tanh(scores / softcap) * softcap
-
-
-def _prefill_with_kernel(kernel, query, key, value, k_pool, v_pool, seq: PrefillSeq,
-                         scale: float) -> torch.Tensor | None:
-    """A plain causal chunk through the compiled kernel: [q, H, D], or None if it declines."""
-    q = query[0, :, seq.start: seq.end].transpose(0, 1).contiguous()  # [q, H, D]
-    if seq.new_kv_only:
-        return kernel(q, key[0, :, seq.start: seq.end], value[0, :, seq.start: seq.end], scale, 0)
-    return kernel(q, k_pool, v_pool, scale, seq.causal_from, seq.pages)
 
 
 def _prefill(query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float,

@@ -6,10 +6,11 @@ single-query sequences (decodes) first, then prefill chunks:
     input_ids   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      T = 9
     logits at   [  0  1  2 |          6  |     8 ]      last token of each finishing sequence
 
-Decodes, and short chunks over an already cached context (prefix hits,
-continued prefills), come first and are attended row by row (one query
-token per row, its own causal length); long or fresh chunks follow and go
-through SDPA per sequence.
+With the compiled CPU attention kernel every token is a row: each query is
+attended alone over its own keys (decode rows, and every token of a prefill
+chunk), grouped into tasks that read shared leading pages once
+(attention_tasks.py). The torch path attends decodes and short chunks over a
+cached context row by row, and longer or fresh chunks with SDPA per sequence.
 
 `PagedBatch` is the one typed object the attention function receives each
 step (through the model's **kwargs); everything it needs per layer is built
@@ -25,7 +26,7 @@ import torch
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
 from cbrun.engine.request import Request
-from cbrun.engine.shared_prefix import SharedPrefix, find_shared_prefixes
+from cbrun.engine.attention_tasks import SequenceRows, plan_tasks
 
 
 @dataclass
@@ -51,20 +52,28 @@ class GroupLayout:
 
 @dataclass
 class DecodeLayout:
-    """Where the keys of every single-query sequence lie.
+    """Where the keys of every row-wise query token lie.
 
-    The compiled kernel reads pages in place from `tables`; the torch path
-    gathers `pages` and masks with `bias` (built only when it is used).
+    Kernel form (`row_seq` set): one block table per sequence, the sequence of
+    each row, and the kernel's tasks. Torch form: one padded table per row,
+    which the torch path gathers through `pages` and masks with `bias`.
     """
 
-    tables: torch.Tensor  # [B, max_pages] int64 block ids, padded with each row's first block
+    tables: torch.Tensor  # [S, max_pages] (kernel) or [B, max_pages] (torch) int64 block ids, padded
     kv_len: torch.Tensor  # [B] keys visible at positions < kv_len ...
     kv_lo: torch.Tensor  # [B] ... and >= kv_lo (sliding window), else 0
-    first_page: torch.Tensor  # [B] logical page of tables[:, 0]
+    first_page: torch.Tensor  # [S] or [B] logical page of each table's first entry
     pages: torch.Tensor | None = None  # [B * max_pages] (torch path)
     bias: torch.Tensor | None = None  # [B, 1, max_pages * page] 0 or -inf, fp32 (torch path)
-    shared: list[SharedPrefix] = field(default_factory=list)  # rows attended together over common pages (kernel)
-    shared_lo: torch.Tensor | None = None  # [B] first key each row attends alone when `shared`
+    row_seq: torch.Tensor | None = None  # [B] table of each row (kernel form)
+    tasks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, starts, shared keys (kernel)
+
+    def per_row(self) -> DecodeLayout:
+        """The torch form's addressing: one table per row (the kernel form's, expanded)."""
+        if self.row_seq is None:
+            return self
+        return DecodeLayout(self.tables.index_select(0, self.row_seq), self.kv_len, self.kv_lo,
+                            self.first_page.index_select(0, self.row_seq))
 
 
 @dataclass
@@ -80,10 +89,8 @@ class PagedBatch:
     groups: dict[str, GroupLayout]
     store: KVStore
     layer_groups: tuple[str, ...]  # attention type of each layer: "full" or "sliding"
-    decode_kernel: object | None = None  # compiled CPU decode attention, when available
+    attend_kernel: object | None = None  # compiled CPU attention (every token a row), when available
     write_kernel: object | None = None  # compiled CPU K/V write, when available
-    shared_kernel: object | None = None  # compiled CPU shared-prefix attention (fp32), when available
-    prefill_kernel: object | None = None  # compiled CPU causal prefill attention (fp32), when available
     score_indices: torch.Tensor | None = None  # [S] flat index of each position a scoring request keeps
     scored: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first position, count)
 
@@ -100,12 +107,10 @@ class BatchBuilder:
 
     def __init__(self, cache: KVCacheManager, store: KVStore, layer_groups: tuple[str, ...],
                  page_size: int, sliding_window: int | None, device: torch.device,
-                 decode_kernel=None, write_kernel=None, shared_kernel=None, prefill_kernel=None) -> None:
-        self.decode_kernel = decode_kernel
+                 attend_kernel=None, write_kernel=None, segment: int = 64) -> None:
+        self.attend_kernel = attend_kernel
         self.write_kernel = write_kernel
-        self.shared_kernel = shared_kernel
-        self.prefill_kernel = prefill_kernel
-        self.torch_decode = decode_kernel is None  # build the gather/bias form for the torch path
+        self.segment = segment  # the kernel's keys per softmax segment (shared keys come in whole segments)
         self.cache = cache
         self.store = store
         self.layer_groups = layer_groups
@@ -114,7 +119,10 @@ class BatchBuilder:
         self.device = device
 
     def build(self, items: list[tuple[Request, int]]) -> PagedBatch:
-        row_items = [(r, n) for r, n in items if n == 1 or (r.num_computed_tokens > 0 and n <= ROW_CHUNK)]
+        if self.attend_kernel is not None:  # every token a row: one arithmetic for every query
+            row_items = items
+        else:
+            row_items = [(r, n) for r, n in items if n == 1 or (r.num_computed_tokens > 0 and n <= ROW_CHUNK)]
         rows = {id(r) for r, _ in row_items}
         items = row_items + [(r, n) for r, n in items if id(r) not in rows]
         ids: list[int] = []
@@ -147,10 +155,8 @@ class BatchBuilder:
             groups=groups,
             store=self.store,
             layer_groups=self.layer_groups,
-            decode_kernel=self.decode_kernel,
+            attend_kernel=self.attend_kernel,
             write_kernel=self.write_kernel,
-            shared_kernel=self.shared_kernel,
-            prefill_kernel=self.prefill_kernel,
             score_indices=torch.tensor(score_rows, **as_long),
             scored=scored,
         )
@@ -177,7 +183,9 @@ class BatchBuilder:
         return layout
 
     def _decode_layout(self, items, tables, window: int | None) -> DecodeLayout:
-        """Padded block tables and visible key ranges for every row-wise query token."""
+        """Block tables and visible key ranges for every row-wise query token."""
+        if self.attend_kernel is not None:
+            return self._kernel_layout(items, tables, window)
         page = self.page_size
         max_pages = max(len(table) for table, _ in tables)
         padded, firsts, lengths = [], [], []
@@ -195,16 +203,33 @@ class BatchBuilder:
             kv_lo=torch.tensor(lows, **as_long),
             first_page=torch.tensor(firsts, **as_long),
         )
-        if not self.torch_decode and window is None and not any(firsts):
-            layout.shared, layout.shared_lo = find_shared_prefixes(layout.tables, layout.kv_len, page)
-        if self.torch_decode:
-            offsets = torch.arange(max_pages * page, **as_long)  # [L]
-            key_pos = layout.first_page[:, None] * page + offsets[None, :]  # [B, L]
-            valid = (key_pos < layout.kv_len[:, None]) & (key_pos >= layout.kv_lo[:, None])
-            bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device)
-            layout.bias = bias.masked_fill_(~valid, float("-inf"))[:, None, :]  # [B, 1, L]
-            layout.pages = layout.tables.view(-1)
+        offsets = torch.arange(max_pages * page, **as_long)  # [L]
+        key_pos = layout.first_page[:, None] * page + offsets[None, :]  # [B, L]
+        valid = (key_pos < layout.kv_len[:, None]) & (key_pos >= layout.kv_lo[:, None])
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device)
+        layout.bias = bias.masked_fill_(~valid, float("-inf"))[:, None, :]  # [B, 1, L]
+        layout.pages = layout.tables.view(-1)
         return layout
+
+    def _kernel_layout(self, items, tables, window: int | None) -> DecodeLayout:
+        """The kernel form: a table per sequence, each token a row of it, and the rows' tasks."""
+        max_pages = max(len(table) for table, _ in tables)
+        seqs, lengths, row_seq = [], [], []
+        for index, ((request, count), (table, first)) in enumerate(zip(items, tables)):
+            start = request.num_computed_tokens
+            seqs.append(SequenceRows(len(lengths), start, count, table, first))
+            lengths.extend(range(start + 1, start + count + 1))  # causal: keys up to and including the token
+            row_seq.extend([index] * count)
+        lows = [max(0, n - window) if window is not None else 0 for n in lengths]
+        as_long = dict(dtype=torch.long, device=self.device)
+        return DecodeLayout(
+            tables=torch.tensor([table + [table[0]] * (max_pages - len(table)) for table, _ in tables], **as_long),
+            kv_len=torch.tensor(lengths, **as_long),
+            kv_lo=torch.tensor(lows, **as_long),
+            first_page=torch.tensor([first for _, first in tables], **as_long),
+            row_seq=torch.tensor(row_seq, **as_long),
+            tasks=plan_tasks(seqs, self.page_size, self.segment, window is not None),
+        )
 
     def _prefill_seq(self, request: Request, count: int, offset: int, table: list[int],
                      first: int, window: int | None) -> PrefillSeq:

@@ -17,7 +17,7 @@ from cbrun.engine.attention import register as register_attention
 from cbrun.engine.batch import BatchBuilder
 from cbrun.engine.config import EngineConfig, StatsSnapshot
 from cbrun.engine.cpu_kernels import load_cpu_kernels
-from cbrun.engine.cpu_linear import install_small_batch_linears, uninstall
+from cbrun.engine.cpu_linear import install_kernel_linears, uninstall
 from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.fused_layers import install_fused_layers
 from cbrun.engine.fused_layers import uninstall as uninstall_fused_layers
@@ -77,11 +77,12 @@ class EngineCore:
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
         self.kernels = load_cpu_kernels() if self.device.type == "cpu" else None
-        self.fast_linears = install_small_batch_linears(model.model, self.kernels) if self.kernels else []
+        self.fast_linears = install_kernel_linears(model, self.kernels) if self.kernels else []
         self.fused_layers = install_fused_layers(model, self.kernels)
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
-                                    self.spec.sliding_window, self.device, self._decode_kernel(),
-                                    *self._attention_kernels())
+                                    self.spec.sliding_window, self.device, self._attend_kernel(),
+                                    self.kernels.write_kv if self.kernels else None,
+                                    self.kernels.segment if self.kernels else 64)
         self.runner = ModelRunner(model, self.kernels)
         self.detok = Detokenizer(tokenizer)
         self._stats = StatsSnapshot(blocks_total=num_blocks)
@@ -95,22 +96,16 @@ class EngineCore:
         uninstall_fused_layers(self.fused_layers)
         self.fast_linears, self.fused_layers = [], []
 
-    def _attention_kernels(self) -> tuple:
-        """The compiled K/V write, and the shared-prefix and prefill attention (fp32 caches only), or
-        Nones where the torch paths run."""
-        if self.kernels is None:
-            return None, None, None
-        if self.spec.kv.dtype != torch.float32:
-            return self.kernels.write_kv, None, None
-        return self.kernels.write_kv, self.kernels.shared_prefix, self.kernels.prefill_attention
+    def _attend_kernel(self):
+        """The compiled CPU attention when it applies to this model, else None (the torch paths).
 
-    def _decode_kernel(self):
-        """The compiled CPU decode kernel when it applies to this model, else None (torch path)."""
-        if self.kernels is None:
+        Not for models that soft-cap attention logits (Gemma 2): the kernel does not cap.
+        """
+        if self.kernels is None or _softcaps_attention(self.model.config):
             return None
         kv = self.spec.kv
         group = self.model.config.num_attention_heads // kv.num_kv_heads
-        return self.kernels.decode if self.kernels.supports_decode(kv.dtype, group, kv.head_dim) else None
+        return self.kernels.attend if self.kernels.supports_attention(kv.dtype, group, kv.head_dim) else None
 
     # -- requests ---------------------------------------------------------
     def validate(self, prompt_ids: list[int], max_tokens: int) -> str | None:
@@ -305,3 +300,9 @@ class EngineCore:
         snap.offloads, snap.restores, snap.soft_resets = counters.offloads, counters.restores, counters.soft_resets
         snap.elapsed_s = time.perf_counter() - self._started
         return snap
+
+
+def _softcaps_attention(config) -> bool:
+    """Whether the model soft-caps its attention scores (Gemma 2's attn_logit_softcapping)."""
+    configs = (config, getattr(config, "text_config", None))
+    return any(getattr(c, "attn_logit_softcapping", None) for c in configs if c is not None)

@@ -1,23 +1,30 @@
 """Optional compiled CPU kernels for the hot path, built once per machine.
 
-- Decode attention reads keys and values in place from the page pool, in one
-  pass with an online softmax; the torch path first gathers every row's
-  pages into a padded copy (about three times the memory traffic).
-- Shared-prefix attention (many rows over the same cached pages) runs both
-  products and the softmax per panel of 16 query rows in cache.
+- Attention reads keys and values in place from the page pool, in one pass
+  with an online softmax, for every query token of a step (decodes and
+  prefill chunks alike); rows sharing leading pages run as one task that
+  reads those pages once. The torch path first gathers every row's pages
+  into a padded copy (about three times the memory traffic).
 - K/V writes copy each new token's rows straight to its slot.
 - Sampling computes argmax, log-sum-exp and the inverse-CDF draw of each
   logits row in one parallel pass, where torch needs several full passes.
-- Linear layers with few rows (fp32) read their weights in place, where BLAS
-  repacks them on every call (see cpu_linear.py); several weights sharing an
-  input (q|k|v, gate|up with SiLU) go in one pass.
+- Linear layers (fp32 or bf16 weights, fp32 accumulation) read their weights
+  in place; several weights sharing an input (q|k|v, gate|up with SiLU) go in
+  one pass.
 - RMSNorm (with the residual add) and rotary embeddings for the fused
   decoder layers (fused_layers.py).
 
+Every kernel gives a row the same bits whatever else is in the call (batch
+invariance; see linear.c and attention.c for how).
+
 It is plain C with OpenMP and vector extensions, built with the local C
-compiler in a second or two into the user cache and called through ctypes.
-Without a compiler, or with CBRUN_KERNELS=torch, the engine uses the torch
-paths, which compute the same results (and are the reference in tests).
+compiler (-march=native) in a few seconds into the user cache and called
+through ctypes. The library's name includes a digest of the sources, the
+flags, the compiler's version and the CPU's feature flags, so a library
+built on another CPU (a shared home directory) is never loaded where it
+could stop the process on an illegal instruction. Without a compiler, or
+with CBRUN_KERNELS=torch, the engine uses the torch paths, which compute the
+same results up to rounding (and are the reference in tests).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import torch
 log = logging.getLogger("cbrun.engine")
 
 _SOURCES = Path(__file__).with_name("csrc")  # *.c built into one library, with their shared header
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _kernel: "CpuKernels | None" = None
 _tried = False
@@ -54,19 +61,50 @@ def _sources() -> list[Path]:
     return sorted(_SOURCES.glob("*.c"))
 
 
-def _digest() -> str:
-    """Names the build: every source and header, the flags and the platform."""
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    return compiler
+
+
+def _compiler_version(compiler: str) -> str:
+    """The compiler's own description of itself (`cc --version`'s first line)."""
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.splitlines()[0] if out else "unknown"
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags, sorted (Linux /proc/cpuinfo; elsewhere the machine and processor names).
+
+    -march=native bakes these into the library: a build for AVX-512 loaded on
+    an AVX2-only CPU dies of SIGILL with no message, so they key the cache.
+    """
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    import platform
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _digest(compiler: str) -> str:
+    """Names the build: every source and header, the flags, the compiler, the CPU and the platform."""
     content = hashlib.sha256()
     for path in sorted([*_sources(), *_SOURCES.glob("*.h")]):
         content.update(path.name.encode() + path.read_bytes())
     content.update(" ".join(_FLAGS).encode() + sys.platform.encode())
+    content.update(_compiler_version(compiler).encode() + cpu_flags().encode())
     return content.hexdigest()[:16]
 
 
-def _compile(sources: list[Path], target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+def _compile(compiler: str, sources: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
@@ -76,108 +114,88 @@ def _compile(sources: list[Path], target: Path) -> None:
 
 
 _PANEL_ROWS = 16  # rows of x per packed panel (PANEL in csrc/panel.h)
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+# Every exported function: (restype, argtypes), declared once when the library is loaded.
+_SIGNATURES = {
+    "paged_attend_f32": (_INT, [_P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                                _I64, _F32, _P, _P, _P, _I64, _INT]),
+    "paged_attend_max_gd": (_I64, []),
+    "paged_attend_segment": (_I64, []),
+    "paged_write": (None, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64]),
+    "sample_rows_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT]),
+    "linear_rows": (_INT, [_P, _I64, _INT, _INT, _P, _P, _INT, _P, _P, _I64, _INT, _I64, _I64, _P, _INT]),
+    "linear_max_segments": (_INT, []),
+    "gated_silu": (_INT, [_P, _I64, _INT, _P, _P, _P, _P, _INT, _P, _I64, _INT, _I64, _I64, _I64, _P, _INT]),
+    "rmsnorm_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _I64, _INT]),
+    "rope_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _INT]),
+    "silu_mul_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT]),
+}
+_SIGNATURES["paged_attend_bf16"] = _SIGNATURES["paged_attend_f32"]
+_LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class KernelError(RuntimeError):
+    """A compiled kernel refused its arguments (a bug in the caller) or ran out of memory."""
+
+
+def _check(status: int, name: str) -> None:
+    if status == -1:
+        raise KernelError(f"{name}: arguments the kernel cannot handle")
+    if status != 0:
+        raise KernelError(f"{name}: out of memory")
 
 
 class CpuKernels:
-    """ctypes bindings of the compiled kernels: paged decode attention, K/V writes, sampling, linear
-    layers, and the fused decoder layers' norm, rotary and activation."""
+    """ctypes bindings of the compiled kernels: paged attention, K/V writes, sampling, linear layers,
+    and the fused decoder layers' norm, rotary and activation."""
 
-    _DECODE = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
-    MAX_GROUP = 64  # query heads per kv head (MAX_G in the C source)
+    _ATTEND = {torch.float32: "paged_attend_f32", torch.bfloat16: "paged_attend_bf16"}
+    MAX_GROUP = 64  # query heads per kv head (MAX_G in attention.c)
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.decode_functions = {dtype: getattr(library, name) for dtype, name in self._DECODE.items()}
-        self.write_function = library.paged_write
-        self.sample_function = library.sample_rows_f32
-        self.linear_function = library.linear_f32
-        self.gated_function = library.gated_silu_f32
-        self.rmsnorm_function = library.rmsnorm_f32
-        self.rope_function = library.rope_f32
-        self.silu_mul_function = library.silu_mul_f32
-        self.shared_prefix_function = library.shared_prefix_f32
-        self.prefill_function = library.prefill_attention_f32
-        for function in (self.shared_prefix_function, self.prefill_function):
-            function.restype = ctypes.c_int  # 0, or -1 when out of memory
-        for function in (*self.decode_functions.values(), self.write_function, self.sample_function,
-                         self.linear_function, self.gated_function, self.rmsnorm_function, self.rope_function,
-                         self.silu_mul_function):
-            function.restype = None
-        self.max_gd = int(library.paged_decode_max_gd())  # restype set by the loader
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.restype, function.argtypes = restype, argtypes
+        self._lib = library
+        self.attend_functions = {dtype: getattr(library, name) for dtype, name in self._ATTEND.items()}
+        self.max_gd = int(library.paged_attend_max_gd())
+        self.segment = int(library.paged_attend_segment())  # keys per online-softmax segment
+        self.max_segments = int(library.linear_max_segments())
         self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
 
-    def supports_decode(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
-        return (dtype in self.decode_functions and head_dim % 8 == 0 and group <= self.MAX_GROUP
+    def supports_attention(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+        return (dtype in self.attend_functions and head_dim % 8 == 0 and group <= self.MAX_GROUP
                 and group * head_dim <= self.max_gd)
 
-    def decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-               kv_len: torch.Tensor, kv_lo: torch.Tensor, first_page: torch.Tensor, scale: float,
-               state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """q [B, H, D] contiguous; pools [H_kv, NB, P, D]; returns [B, H, D].
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+               row_seq: torch.Tensor, first_page: torch.Tensor, kv_len: torch.Tensor, kv_lo: torch.Tensor,
+               tasks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+        """Attention of every query row over its own keys, read in place from the page pools.
 
-        `state` (running max [B, H], sum [B, H], unnormalized output [B, H, D], fp32)
-        continues each row's softmax over keys before kv_lo attended elsewhere.
+        q [R, H, D] contiguous; pools [H_kv, NB, P, D] contiguous, q's dtype; tables [S, max_pages],
+        row_seq [R], first_page [S], kv_len [R], kv_lo [R] and the task triple (rows [R], start
+        [T + 1], shared keys [T]) int64 (see attention.c). Returns out [R, H, D].
         """
-        batch, heads, dim = q.shape
+        rows, heads, dim = q.shape
         num_kv, num_blocks, page, _ = k_pool.shape
+        if q.dtype not in self.attend_functions or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype \
+                or not (q.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()) \
+                or v_pool.shape != k_pool.shape:
+            raise KernelError("attend: q and the pools must be contiguous and of one supported dtype")
+        longs = (tables, row_seq, first_page, kv_len, kv_lo, *tasks)
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in longs):
+            raise KernelError("attend: index tensors must be contiguous int64")
+        task_rows, task_start, task_shared = tasks
         out = torch.empty_like(q)
-        m0, l0, acc0 = (_ptr(t) for t in state) if state is not None else (None, None, None)
-        self.decode_functions[q.dtype](
-            _ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(tables), _ptr(kv_len), _ptr(kv_lo), _ptr(first_page),
-            _ptr(out), _i64(batch), _i64(heads), _i64(dim), _i64(num_kv), _i64(num_blocks), _i64(page),
-            _i64(tables.shape[1]), ctypes.c_float(scale), ctypes.c_int(torch.get_num_threads()), m0, l0, acc0,
+        status = self.attend_functions[q.dtype](
+            _ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(tables), tables.shape[1], _ptr(row_seq), _ptr(first_page),
+            _ptr(kv_len), _ptr(kv_lo), _ptr(out), rows, tables.shape[0], heads, dim, num_kv, num_blocks, page,
+            scale, _ptr(task_rows), _ptr(task_start), _ptr(task_shared), task_shared.numel(),
+            torch.get_num_threads(),
         )
+        _check(status, "attend")
         return out
-
-    def shared_prefix(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
-                      pages: torch.Tensor, scale: float, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
-        """Softmax state of q's `rows` over the keys of `pages` (the same for all of them), written into
-        `state` = (max [B, H], sum [B, H], unnormalized output [B, H, D]) at those rows.
-
-        fp32 only: q [B, H, D], pools [H_kv, NB, P, D], all contiguous; rows [R], pages [S] int64.
-        Returns False if the kernel could not run (out of memory, or an input it does not take);
-        the caller then computes the group with the torch path, which rewrites all of its rows.
-        """
-        tensors = (q, k_pool, v_pool, *state)
-        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or q.shape[-1] < 8:
-            return False
-        rows, pages = rows.contiguous(), pages.contiguous()
-        batch, heads, dim = q.shape
-        num_kv, num_blocks, page, _ = k_pool.shape
-        top, total, acc = state
-        return self.shared_prefix_function(
-            _ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(rows), _i64(rows.numel()), _ptr(pages), _i64(pages.numel()),
-            _i64(heads), _i64(num_kv), _i64(num_blocks), _i64(page), _i64(dim), ctypes.c_float(scale),
-            _ptr(top), _ptr(total), _ptr(acc), ctypes.c_int(torch.get_num_threads()),
-        ) == 0
-
-    def prefill_attention(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, start: int,
-                          pages: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Causal attention of a chunk's queries q [T, H, D] (positions start .. start + T - 1) over the
-        sequence's keys [0, start + T): from the pools `key`, `value` [H_kv, NB, P, D] through `pages`
-        [n] int64, or (start 0, pages None) the chunk's own key, value [H_kv, T, D]. fp32; returns
-        out [T, H, D], or None when the kernel declines (then the caller uses SDPA).
-        """
-        tokens, heads, dim = q.shape
-        if q.dtype != torch.float32 or key.dtype != torch.float32 or value.dtype != torch.float32 \
-                or not q.is_contiguous() or dim < 8 or key.stride(-1) != 1 or key.stride() != value.stride():
-            return None
-        if pages is not None:
-            if not (key.is_contiguous() and value.is_contiguous()):
-                return None
-            num_kv, num_blocks, page, _ = key.shape
-            pages, strides = pages.contiguous(), (0, 0)
-        else:
-            if start != 0:
-                return None
-            num_kv, num_blocks, page = key.shape[0], 0, 1
-            strides = (key.stride(0), key.stride(1))
-        out = torch.empty_like(q)
-        status = self.prefill_function(
-            _ptr(q), _ptr(key), _ptr(value), _optional_ptr(pages), _i64(num_blocks), _i64(page), _i64(strides[0]),
-            _i64(strides[1]), _i64(tokens), _i64(start), _i64(heads), _i64(num_kv), _i64(dim), ctypes.c_float(scale),
-            _ptr(out), ctypes.c_int(torch.get_num_threads()),
-        )
-        return out if status == 0 else None
 
     def write_kv(self, pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy `new` [H_kv, T, D] (unit stride along D) into `pool` [H_kv, NB, P, D] at flat `slots` [T]."""
@@ -185,9 +203,9 @@ class CpuKernels:
         if new.stride(-1) != 1 or new.dtype != pool.dtype or not pool.is_contiguous():  # unusual layouts: torch
             pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, new.to(pool.dtype))
             return
-        self.write_function(
-            _ptr(pool), _ptr(new), _ptr(slots), _i64(new.shape[1]), _i64(num_kv), _i64(dim),
-            _i64(num_blocks * page), _i64(new.stride(0)), _i64(new.stride(1)), _i64(pool.element_size()),
+        self._lib.paged_write(
+            _ptr(pool), _ptr(new), _ptr(slots), new.shape[1], num_kv, dim, num_blocks * page, new.stride(0),
+            new.stride(1), pool.element_size(),
         )
 
     def sample(self, logits: torch.Tensor, inv_temp: torch.Tensor,
@@ -202,47 +220,58 @@ class CpuKernels:
         token = torch.empty(rows, dtype=torch.int64)
         normalizer = torch.empty(rows, dtype=torch.float32)
         scratch = torch.empty(threads * vocab, dtype=torch.float32)
-        self.sample_function(
-            _ptr(logits), _i64(rows), _i64(vocab), _i64(logits.stride(0)), _ptr(inv_temp), _ptr(uniform),
-            _ptr(token), _ptr(normalizer), _ptr(scratch), ctypes.c_int(threads),
+        self._lib.sample_rows_f32(
+            _ptr(logits), rows, vocab, logits.stride(0), _ptr(inv_temp), _ptr(uniform), _ptr(token),
+            _ptr(normalizer), _ptr(scratch), threads,
         )
         return token, normalizer
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], reading the weight in place (no repacking)."""
-        return self.linear_many(x, [weight], [bias])
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in `out_dtype` (default x's), reading the
+        weight in place; fp32 or bf16 operands, fp32 accumulation in one order for every M."""
+        return self.linear_many(x, [weight], [bias], out_dtype)
 
-    def linear_many(self, x: torch.Tensor, weights: list[torch.Tensor],
-                    biases: list[torch.Tensor | None]) -> torch.Tensor:
-        """fp32 x [M, K] against several weights [N_i, K] in one pass -> [M, sum N_i], outputs side by side."""
+    def linear_many(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] against several weights [N_i, K] (one dtype) in one pass -> [M, sum N_i], side by side."""
+        if not 1 <= len(weights) <= self.max_segments:
+            raise KernelError(f"linear: {len(weights)} weights in one call (the kernel takes 1 to "
+                              f"{self.max_segments})")
         x = _unit_stride_rows(x)
         rows, inner = x.shape
+        _check_linear_operands(x, weights, biases, inner)
         widths = [w.shape[0] for w in weights]
-        out = torch.empty(rows, sum(widths), dtype=torch.float32)
+        out = torch.empty(rows, sum(widths), dtype=out_dtype or x.dtype)
         count = len(weights)
-        self.linear_function(
-            _ptr(x), _i64(x.stride(0)), ctypes.c_int(count), _pointers(weights), _pointers(biases),
-            (ctypes.c_int64 * count)(*widths), _ptr(out), _i64(out.stride(0)), _i64(rows), _i64(inner),
-            _ptr(self._panel_scratch(rows, inner)), ctypes.c_int(torch.get_num_threads()),
+        status = self._lib.linear_rows(
+            _ptr(x), x.stride(0), _is_bf16(x), count, _pointers(weights), _pointers(biases), _is_bf16(weights[0]),
+            (ctypes.c_int64 * count)(*widths), _ptr(out), out.stride(0), _is_bf16(out), rows, inner,
+            _ptr(self._panel_scratch(rows, inner)), torch.get_num_threads(),
         )
+        _check(status, "linear")
         return out
 
     def gated_silu(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                    gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """silu(x @ gate^T + gate_bias) * (x @ up^T + up_bias): fp32 x [M, K], weights [N, K] -> [M, N]."""
+        """silu(x @ gate^T + gate_bias) * (x @ up^T + up_bias): x [M, K], weights [N, K] -> [M, N] in x's dtype."""
         x = _unit_stride_rows(x)
         rows, inner = x.shape
-        out = torch.empty(rows, gate.shape[0], dtype=torch.float32)
-        self.gated_function(
-            _ptr(x), _i64(x.stride(0)), _ptr(gate), _ptr(up), _optional_ptr(gate_bias), _optional_ptr(up_bias),
-            _ptr(out), _i64(out.stride(0)), _i64(rows), _i64(gate.shape[0]), _i64(inner),
-            _ptr(self._panel_scratch(rows, inner)), ctypes.c_int(torch.get_num_threads()),
+        _check_linear_operands(x, [gate, up], [gate_bias, up_bias], inner)
+        if gate.shape != up.shape:
+            raise KernelError("gated_silu: gate and up weights differ in shape")
+        out = torch.empty(rows, gate.shape[0], dtype=x.dtype)
+        status = self._lib.gated_silu(
+            _ptr(x), x.stride(0), _is_bf16(x), _ptr(gate), _ptr(up), _optional_ptr(gate_bias), _optional_ptr(up_bias),
+            _is_bf16(gate), _ptr(out), out.stride(0), _is_bf16(out), rows, gate.shape[0], inner,
+            _ptr(self._panel_scratch(rows, inner)), torch.get_num_threads(),
         )
+        _check(status, "gated_silu")
         return out
 
     def _panel_scratch(self, rows: int, inner: int) -> torch.Tensor:
-        """Room for the linear kernels' packed copy of x (whole 16-row panels), kept per thread and grown on demand."""
-        needed = max(1, rows // _PANEL_ROWS * _PANEL_ROWS * inner)
+        """Room for the linear kernels' packed copy of x (16-row panels), kept per thread and grown on demand."""
+        needed = max(1, -(-rows // _PANEL_ROWS) * _PANEL_ROWS * inner)
         scratch = getattr(self._local, "panels", None)
         if scratch is None or scratch.numel() < needed:
             scratch = self._local.panels = torch.empty(needed, dtype=torch.float32)
@@ -252,9 +281,9 @@ class CpuKernels:
         """silu(gate) * up for fp32 [T, N] inputs (unit stride along N), in one pass -> [T, N]."""
         tokens, width = gate.shape
         out = torch.empty(tokens, width, dtype=torch.float32)
-        self.silu_mul_function(
-            _ptr(gate), _i64(gate.stride(0)), _ptr(up), _i64(up.stride(0)), _ptr(out), _i64(out.stride(0)),
-            _i64(tokens), _i64(width), ctypes.c_int(torch.get_num_threads()),
+        self._lib.silu_mul_f32(
+            _ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(out), out.stride(0), tokens, width,
+            torch.get_num_threads(),
         )
         return out
 
@@ -269,10 +298,10 @@ class CpuKernels:
         dim = weight.numel()
         out = torch.empty(tokens, width, dtype=torch.float32)
         total = torch.empty_like(out) if delta is not None else x
-        self.rmsnorm_function(
-            _ptr(x), _i64(x.stride(0)), _optional_ptr(delta), _i64(delta.stride(0) if delta is not None else 0),
-            _ptr(total), _i64(total.stride(0)), _ptr(weight), ctypes.c_float(eps), _ptr(out), _i64(out.stride(0)),
-            _i64(tokens), _i64(width // dim), _i64(dim), ctypes.c_int(torch.get_num_threads()),
+        self._lib.rmsnorm_f32(
+            _ptr(x), x.stride(0), _optional_ptr(delta), delta.stride(0) if delta is not None else 0,
+            _ptr(total), total.stride(0), _ptr(weight), eps, _ptr(out), out.stride(0), tokens, width // dim, dim,
+            torch.get_num_threads(),
         )
         return out, total
 
@@ -281,10 +310,26 @@ class CpuKernels:
         cos, sin [T, D] (rotate-half convention, as transformers' apply_rotary_pos_emb)."""
         tokens = x.shape[0]
         dim = cos.shape[-1]
-        self.rope_function(
-            _ptr(x), _i64(x.stride(0)), _i64(heads), _i64(dim), _ptr(cos), _ptr(sin), _i64(cos.stride(0)),
-            _i64(tokens), ctypes.c_int(torch.get_num_threads()),
-        )
+        self._lib.rope_f32(_ptr(x), x.stride(0), heads, dim, _ptr(cos), _ptr(sin), cos.stride(0), tokens,
+                           torch.get_num_threads())
+
+
+def _check_linear_operands(x: torch.Tensor, weights: list[torch.Tensor], biases: list, inner: int) -> None:
+    """Raise unless x and the weights are fp32/bf16 CPU tensors the kernel can read as they lie."""
+    dtype = weights[0].dtype
+    if x.dtype not in _LINEAR_DTYPES or dtype not in _LINEAR_DTYPES:
+        raise KernelError(f"linear: dtypes {x.dtype} x {dtype} (the kernel takes float32 and bfloat16)")
+    if len(biases) != len(weights):
+        raise KernelError("linear: one bias (or None) per weight")
+    for w, b in zip(weights, biases):
+        if w.dtype != dtype or w.dim() != 2 or w.shape[1] != inner or not w.is_contiguous() or w.device.type != "cpu":
+            raise KernelError(f"linear: weight {tuple(w.shape)} {w.dtype} does not fit x [.., {inner}] {x.dtype}")
+        if b is not None and (b.dtype != dtype or b.shape != (w.shape[0],) or not b.is_contiguous()):
+            raise KernelError(f"linear: bias {tuple(b.shape)} {b.dtype} does not fit weight {tuple(w.shape)}")
+
+
+def _is_bf16(tensor: torch.Tensor) -> int:
+    return int(tensor.dtype == torch.bfloat16)
 
 
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
@@ -296,16 +341,12 @@ def _pointers(tensors: list[torch.Tensor | None]):
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() if t is not None else None for t in tensors))
 
 
-def _optional_ptr(tensor: torch.Tensor | None) -> ctypes.c_void_p | None:
+def _optional_ptr(tensor: torch.Tensor | None) -> int | None:
     return _ptr(tensor) if tensor is not None else None
 
 
-def _ptr(tensor: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(tensor.data_ptr())
-
-
-def _i64(value: int) -> ctypes.c_int64:
-    return ctypes.c_int64(value)
+def _ptr(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr()
 
 
 def load_cpu_kernels() -> CpuKernels | None:
@@ -318,12 +359,11 @@ def load_cpu_kernels() -> CpuKernels | None:
             return _kernel
         _tried = True
         try:
-            target = _cache_root() / f"cbrun_cpu-{_digest()}.so"
+            compiler = _compiler()
+            target = _cache_root() / f"cbrun_cpu-{_digest(compiler)}.so"
             if not target.exists():
-                _compile(_sources(), target)
-            library = ctypes.CDLL(str(target))
-            library.paged_decode_max_gd.restype = ctypes.c_int64
-            _kernel = CpuKernels(library)
+                _compile(compiler, _sources(), target)
+            _kernel = CpuKernels(ctypes.CDLL(str(target)))
         except Exception as exc:  # no compiler, failed build, unsupported platform
             detail = getattr(exc, "stderr", "") or exc
             log.warning("compiled CPU kernels unavailable (%s); using the torch paths", detail)

@@ -15,11 +15,12 @@ kernel calls:
 It applies to layers shaped like Llama's (Llama, Mistral, Qwen2, Qwen3 with
 its per-head q/k norms, SmolLM, ...): the structure is checked, and then each
 layer is run both ways on random inputs at install time; a layer whose fused
-result differs from its stock forward keeps the stock forward. Steps with more
-rows than the small-batch kernels favour use torch's GEMM for the projections.
+result differs from its stock forward keeps the stock forward. Every
+projection goes through the compiled linear kernel, whose sums do not depend
+on the number of rows (batch invariance).
 
 Installed per module instance (a `forward` attribute) by the engine core and
-removed by `uninstall`, like the small-batch linears (cpu_linear.py).
+removed by `uninstall`, like the kernel linears (cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cbrun.engine.cpu_linear import MAX_KERNEL_ROWS, kernel_can_read, small_batch_linear
+from cbrun.engine.cpu_linear import kernel_can_read, kernel_linear
 
 log = logging.getLogger("cbrun.engine")
 
@@ -41,7 +41,7 @@ _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _HEAD_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 _CACHE_KWARGS = ("cache", "past_key_values")
-_PROBE_TOKENS = (5, MAX_KERNEL_ROWS + 3)  # the kernel path and the torch-GEMM path
+_PROBE_TOKENS = (5, 259)  # a decode-sized step and a prefill-sized one
 _PROBE_TOLERANCE = 1e-4  # relative to the output's largest magnitude
 
 
@@ -118,29 +118,21 @@ def fused_forward(plan: LayerPlan, kernels, stock_forward, hidden_states: torch.
         return stock_forward(hidden_states, attention_mask=attention_mask,
                              position_embeddings=position_embeddings, **kwargs)
     x = hidden_states[0]  # [T, hidden]
-    small = x.shape[0] <= MAX_KERNEL_ROWS
     normed, _ = kernels.rmsnorm(x, plan.input_norm.weight, plan.input_norm.eps)
-    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, small,
+    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask,
                           kwargs)  # [T, H * D]
-    projected = small_batch_linear(kernels, attended, plan.o_proj.weight, plan.o_proj.bias)  # [T, hidden]
+    projected = kernel_linear(kernels, plan.o_proj.weight, plan.o_proj.bias, attended)  # [T, hidden]
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
-    if small:
-        gated = kernels.gated_silu(normed, plan.gate.weight, plan.up.weight, plan.gate.bias, plan.up.bias)
-    else:
-        gated = kernels.silu_mul(F.linear(normed, plan.gate.weight, plan.gate.bias),
-                                 F.linear(normed, plan.up.weight, plan.up.bias))  # [T, intermediate]
-    return (residual + small_batch_linear(kernels, gated, plan.down.weight, plan.down.bias)).unsqueeze(0)
+    gated = kernels.gated_silu(normed, plan.gate.weight, plan.up.weight, plan.gate.bias, plan.up.bias)  # [T, I]
+    return (residual + kernel_linear(kernels, plan.down.weight, plan.down.bias, gated)).unsqueeze(0)
 
 
 def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, position_embeddings, attention_mask,
-               small: bool, kwargs) -> torch.Tensor:
+               kwargs) -> torch.Tensor:
     """normed [T, hidden] -> attention output [T, H * D] through the model's attention function."""
     tokens = normed.shape[0]
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
-    if small:
-        qkv = kernels.linear_many(normed, [p.weight for p in plan.qkv], [p.bias for p in plan.qkv])
-    else:
-        qkv = torch.cat([F.linear(normed, p.weight, p.bias) for p in plan.qkv], dim=1)  # [T, (H + 2 H_kv) D]
+    qkv = kernels.linear_many(normed, [p.weight for p in plan.qkv], [p.bias for p in plan.qkv])  # [T, (H + 2 H_kv) D]
     if plan.q_norm is not None:
         qkv[:, : heads * dim], _ = kernels.rmsnorm(qkv[:, : heads * dim], plan.q_norm.weight, plan.q_norm.eps)
         k_cols = slice(heads * dim, (heads + kv_heads) * dim)

@@ -4,13 +4,11 @@ The model is a stock transformers causal LM whose attention implementation
 was switched to ours; each call passes flat `(1, T)` inputs, explicit
 positions, no cache object, and the step's `PagedBatch` as one kwarg.
 
-For a plain linear output head the runner projects the sampled rows itself,
-so on CPU fp32 the projection can use the small-batch kernel (up to MAX_KERNEL_ROWS = 256 rows)
-or oneDNN: at this shape (rows against a vocabulary-sized weight) either runs
-about 1.5-3x faster than the default fp32 GEMM, and the head is a quarter of
-a small model's decode FLOPs.
-Heads that post-process logits (soft-capping, scaling) go through the
-model's own forward.
+For a plain linear output head the runner projects the sampled rows itself:
+on CPU through the compiled linear kernel, straight to fp32 logits (bf16
+models too) and in one summation order for any number of rows, so a
+request's logits do not depend on its neighbours. Heads that post-process
+logits (soft-capping, scaling) go through the model's own forward.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import torch.nn.functional as F
 
 from cbrun.engine.attention import BATCH_KWARG
 from cbrun.engine.batch import PagedBatch
-from cbrun.engine.cpu_linear import kernel_can_read, small_batch_linear
+from cbrun.engine.cpu_linear import kernel_can_read, kernel_linear
 
 # config attributes by which a causal LM transforms logits after its head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -56,7 +54,6 @@ class ModelRunner:
         self.head = _plain_head(model)
         fast = self.head is not None and kernel_can_read(self.head)
         self.kernels = kernels if fast else None
-        self.project = _onednn_project if fast and _onednn_available() else _torch_project
 
     @torch.inference_mode()
     def forward(self, batch: PagedBatch) -> StepLogits:
@@ -102,9 +99,9 @@ class ModelRunner:
         """Output head: rows [n, hidden] -> fp32 logits [n, V]; the one place logits are made."""
         if self.head is None:
             return self.model.lm_head(rows).float()
-        if self.kernels is not None:
-            return small_batch_linear(self.kernels, rows, self.head.weight, self.head.bias, large=self.project)
-        return self.project(rows, self.head.weight, self.head.bias).float()
+        if self.kernels is not None:  # fp32 logits straight from the fp32 sums, in one order for every row count
+            return kernel_linear(self.kernels, self.head.weight, self.head.bias, rows, torch.float32)
+        return F.linear(rows, self.head.weight, self.head.bias).float()
 
 
 def _plain_head(model) -> torch.nn.Linear | None:
@@ -115,16 +112,3 @@ def _plain_head(model) -> torch.nn.Linear | None:
     transforms = any(getattr(c, name, None) not in (None, 1, 1.0) for c in configs if c is not None
                      for name in _LOGIT_TRANSFORMS)
     return head if type(head) is torch.nn.Linear and not transforms else None
-
-
-def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def _torch_project(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(rows, weight, bias)
-
-
-def _onednn_project(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [N, hidden] @ weight[V, hidden]^T through oneDNN (same result as F.linear up to rounding)."""
-    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")

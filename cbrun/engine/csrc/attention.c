@@ -1,37 +1,46 @@
 /* Attention over the paged K/V cache, and K/V writes into it.
  *
- * paged_decode_{f32,bf16}: attention for rows with one query token each
- * (decodes, short chunks over a cached context), keys and values read in
- * place from the page pool (no gather copy).
+ * paged_attend_{f32,bf16}: every query token of a step (decodes, prefill chunks,
+ * continued chunks over a cached prefix) is a row with its own key range,
+ * attended in place in the page pool (no gather copy).
  *
- *   q          [B, H, D]            query of each row
+ *   q          [R, H, D]            query of each row
  *   k, v       [H_kv, NB, P, D]     one layer's key and value pages
- *   tables     [B, max_pages] int64 block ids; page i holds positions (first_page + i) * P ...
- *   kv_len     [B] int64            keys at positions < kv_len are visible ...
- *   kv_lo      [B] int64            ... and at positions >= kv_lo (sliding window; else 0)
- *   first_page [B] int64            logical page index of tables[b][0]
- *   out        [B, H, D]
- *   m0, l0     [B, H] fp32, acc0 [B, H, D] fp32, or all NULL: a softmax state to
- *              continue from (running max, sum of exponentials, unnormalized
- *              output) for keys before kv_lo that were attended elsewhere
- *              (a shared prefix attended for many rows at once)
+ *   tables     [S, max_pages] int64 block ids of each sequence; page i holds positions (first_page + i) * P ...
+ *   row_seq    [R] int64            the sequence (table) of each row
+ *   first_page [S] int64            logical page index of tables[s][0]
+ *   kv_len     [R] int64            keys at positions < kv_len are visible ...
+ *   kv_lo      [R] int64            ... and at positions >= kv_lo (sliding window; else 0)
+ *   out        [R, H, D]
+ *   tasks      rows task_rows[task_start[t] .. task_start[t + 1]) with `task_shared[t]` leading keys on
+ *              the same blocks (a shared prefix, or a prefill chunk's cached context), a multiple of SEG
  *
- * Work is split over (row, kv head) pairs. Each streams its keys and values
- * once, in segments of up to 64 keys (spanning pages when pages are small),
- * with an online softmax over its G = H / H_kv query heads (flash-decoding
- * style). Within a segment each page piece is scored for all G heads while it
- * sits in L1, in register blocks of 3 heads x 4 keys that load every key
- * vector once; then one softmax update per head; then each piece's values are
- * added for all heads, in blocks of 3 heads x 32 dims that load every value
- * vector once. (Scoring head by head over a whole segment re-read 32 KB per
- * head from L2, which halved the FMA rate: in an engine run the blocked form
- * spends 14% less time here, measured.) Runs of adjacent pages are left to the
- * hardware prefetcher; a segment on pages that jump is prefetched one ahead.
+ * Batch invariance: a row's result depends on its query and keys alone. Keys
+ * are taken in segments that end at multiples of SEG (absolute positions) and
+ * the segment's own key range; each segment is split into page pieces at page
+ * boundaries; every score is one multiply-add chain over D and a fixed lane
+ * sum; each segment updates the online softmax (flash-decoding style) in key
+ * order. So a decode, the same token inside a prefill chunk of any length,
+ * its recompute after a soft reset, and a row attending a shared prefix with
+ * a hundred others all give the same bits. Rows sharing leading blocks
+ * (a common system prompt, n samples of one prompt, the tokens of one chunk)
+ * run as one task: the shared segments are read once per task and stay in
+ * cache while every row of the task goes through them ("cascade" attention
+ * without a second kernel or a merge step).
+ *
+ * Work is split over (task, kv head) pairs. Within a segment each page piece
+ * is scored for the G = H / H_kv query heads while it sits in L1, in register
+ * blocks of 3 heads x 4 keys that load every key vector once; then one
+ * softmax update per head; then each piece's values are added for all heads,
+ * in blocks of 3 heads x 32 dims that load every value vector once. Runs of
+ * adjacent pages are left to the hardware prefetcher; a segment on pages that
+ * jump is prefetched one ahead.
  *
  * paged_write: store new tokens' K/V rows at their flat slots (any element size).
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -41,18 +50,14 @@
 #define SEG 64      /* keys scored per online-softmax segment */
 #define MAX_G 64    /* query heads per kv head */
 
-/* A dot product with one key row (for the keys left over from whole score blocks).
- * C = D / 8 vectors per head row. */
+/* A dot product with one key row (for the keys left over from whole score blocks): one accumulator
+ * over the C = D / 8 vectors of a head row and the lane sum of reduce4, so a key's score has the same
+ * bits whether it falls in a block of KB keys or not. */
 #define DEFINE_ROW_OPS(SUFFIX, T, LOADV)                                                               \
   static inline float dot_##SUFFIX(const v8f* q, const T* key, int64_t C) {                            \
-    v8f a0 = splat(0.f), a1 = splat(0.f);                                                             \
-    int64_t c = 0;                                                                                     \
-    for (; c + 1 < C; c += 2) {                                                                        \
-      a0 += q[c] * LOADV(key + c * 8);                                                                 \
-      a1 += q[c + 1] * LOADV(key + c * 8 + 8);                                                         \
-    }                                                                                                  \
-    if (c < C) a0 += q[c] * LOADV(key + c * 8);                                                        \
-    return hsum(a0 + a1);                                                                              \
+    v8f a = splat(0.f);                                                                                \
+    for (int64_t c = 0; c < C; ++c) a += q[c] * LOADV(key + c * 8);                                    \
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));                          \
   }
 
 DEFINE_ROW_OPS(f32, float, load_f32)
@@ -189,89 +194,194 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, load_bf16)
     else { const int hb_ = 1; CALL; }                                                               \
   }
 
-/* One (row, kv head): G query heads against keys [lo, hi) of one sequence, in
- * segments of at most SEG keys. Each page piece of a segment is scored for all
- * heads while it is in L1, then one softmax update per head, then each piece's
- * values are added for all heads. */
-#define DEFINE_DECODE_TASK(SUFFIX, T, LOADV, STORE)                                                      \
-  static inline __attribute__((always_inline)) void decode_task_##SUFFIX(                                \
-      const T* q, const T* k, const T* v, const int64_t* table, int64_t first, int64_t lo, int64_t hi,   \
-      T* out, int64_t G, int64_t D, int64_t P, float scale, const float* m0, const float* l0,           \
-      const float* acc0) {                                                                               \
+/* Softmax state of one query row for one kv head: its G scaled query heads, running max and sum per
+ * head, and the unnormalized output; C = D / 8 vectors per head. */
+typedef struct {
+  v8f *qf, *acc; /* [G * C] each */
+  float *m, *l;  /* [G] each */
+} row_state;
+
+/* Keys [start, start + n) of one sequence (pages through `table`, table[0] is logical page `first`) for
+ * one row: each page piece is scored for all heads while it is in L1, then one softmax update per head,
+ * then each piece's values are added for all heads. `scores` is scratch for G * SEG floats. */
+#define DEFINE_SEGMENT(SUFFIX, T)                                                                        \
+  static inline __attribute__((always_inline)) void attend_segment_##SUFFIX(                            \
+      row_state st, const T* k, const T* v, const int64_t* table, int64_t first, int64_t start,          \
+      int64_t n, int64_t G, int64_t D, int64_t P, float* scores) {                                       \
     const int64_t C = D / 8;                                                                             \
-    v8f qf[MAX_GD / 8], acc[MAX_GD / 8];                                                                 \
-    float scores[MAX_G * SEG] __attribute__((aligned(32)));                                              \
-    float m[MAX_G], l[MAX_G];                                                                            \
-    for (int64_t i = 0; i < G * C; ++i) {                                                                \
-      qf[i] = LOADV(q + i * 8) * splat(scale);                                                           \
-      acc[i] = acc0 ? load_f32(acc0 + i * 8) : splat(0.f);                                               \
-    }                                                                                                    \
-    for (int64_t g = 0; g < G; ++g) { m[g] = m0 ? m0[g] : -INFINITY; l[g] = l0 ? l0[g] : 0.f; }          \
-    for (int64_t start = lo; start < hi;) {                                                              \
-      const int64_t n = hi - start < SEG ? hi - start : SEG;                                             \
-      if (start + n < hi && scattered(table, first, start + n, hi, P))                                  \
-        prefetch_chunk(k, v, table, first, start + n, hi, P, D * (int64_t)sizeof(T));                    \
-      for (int64_t pos = start; pos < start + n;) {                                                      \
-        const int64_t cnt = piece_keys(pos, start + n, P);                                               \
-        const T* keys = k + pool_row(table, first, pos, P) * D;                                          \
-        float* s = scores + (pos - start);                                                               \
-        FOR_HEAD_BLOCKS(G, score_piece_##SUFFIX(qf + g0 * C, hb_, keys, cnt, C, s + g0 * SEG))  \
-        pos += cnt;                                                                                      \
-      }                                                                                                  \
-      for (int64_t g = 0; g < G; ++g) {                                                                  \
-        const float correction = online_softmax(scores + g * SEG, n, m + g, l + g);                      \
-        if (correction != 1.f)                                                                           \
-          for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= splat(correction);                           \
-      }                                                                                                  \
-      for (int64_t pos = start; pos < start + n;) {                                                      \
-        const int64_t cnt = piece_keys(pos, start + n, P);                                               \
-        const T* vals = v + pool_row(table, first, pos, P) * D;                                          \
-        FOR_HEAD_BLOCKS(G, value_piece_##SUFFIX(acc + g0 * C, hb_, scores + g0 * SEG + (pos - start), vals, cnt, C)) \
-        pos += cnt;                                                                                      \
-      }                                                                                                  \
-      start += n;                                                                                        \
+    for (int64_t pos = start; pos < start + n;) {                                                        \
+      const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
+      const T* keys = k + pool_row(table, first, pos, P) * D;                                            \
+      float* s = scores + (pos - start);                                                                 \
+      FOR_HEAD_BLOCKS(G, score_piece_##SUFFIX(st.qf + g0 * C, hb_, keys, cnt, C, s + g0 * SEG))          \
+      pos += cnt;                                                                                        \
     }                                                                                                    \
     for (int64_t g = 0; g < G; ++g) {                                                                    \
-      const v8f inv = splat(l[g] > 0.f ? 1.f / l[g] : 0.f);                                              \
-      for (int64_t c = 0; c < C; ++c) STORE(out + g * D + c * 8, acc[g * C + c] * inv);                  \
+      const float correction = online_softmax(scores + g * SEG, n, st.m + g, st.l + g);                 \
+      if (correction != 1.f)                                                                             \
+        for (int64_t c = 0; c < C; ++c) st.acc[g * C + c] *= splat(correction);                          \
     }                                                                                                    \
-  }                                                                                                      \
-                                                                                                         \
-  void paged_decode_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,                  \
-                             const int64_t* kv_len, const int64_t* kv_lo, const int64_t* first_page,     \
-                             T* out, int64_t B, int64_t H, int64_t D, int64_t Hkv, int64_t NB, int64_t P, \
-                             int64_t max_pages, float scale, int threads, const float* m0,              \
-                             const float* l0, const float* acc0) {                                       \
-    const int64_t G = H / Hkv;                                                                           \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                               \
-    for (int64_t task = 0; task < B * Hkv; ++task) {                                                     \
-      const int64_t b = task % B, h = task / B;                                                          \
-      const int64_t offset = (b * H + h * G) * D;                                                        \
-      const T* kh = k + h * NB * P * D;                                                                  \
-      const T* vh = v + h * NB * P * D;                                                                  \
-      const int64_t* table = tables + b * max_pages;                                                     \
-      /* a softmax state to continue from (keys before kv_lo attended elsewhere), else none */              \
-      const int64_t first_head = b * H + h * G;                                                          \
-      const float* sm = m0 ? m0 + first_head : 0;                                                        \
-      const float* sl = l0 ? l0 + first_head : 0;                                                        \
-      const float* sa = acc0 ? acc0 + first_head * D : 0;                                                \
-      /* constant head sizes let the compiler keep accumulators in registers */                          \
-      if (D == 64)                                                                                       \
-        decode_task_##SUFFIX(q + offset, kh, vh, table, first_page[b], kv_lo[b], kv_len[b], out + offset, \
-                             G, 64, P, scale, sm, sl, sa);                                                                    \
-      else if (D == 128)                                                                                 \
-        decode_task_##SUFFIX(q + offset, kh, vh, table, first_page[b], kv_lo[b], kv_len[b], out + offset, \
-                             G, 128, P, scale, sm, sl, sa);                                                                   \
-      else                                                                                               \
-        decode_task_##SUFFIX(q + offset, kh, vh, table, first_page[b], kv_lo[b], kv_len[b], out + offset, \
-                             G, D, P, scale, sm, sl, sa);                                                                     \
+    for (int64_t pos = start; pos < start + n;) {                                                        \
+      const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
+      const T* vals = v + pool_row(table, first, pos, P) * D;                                            \
+      FOR_HEAD_BLOCKS(G, value_piece_##SUFFIX(st.acc + g0 * C, hb_, scores + g0 * SEG + (pos - start), vals, cnt, C)) \
+      pos += cnt;                                                                                        \
     }                                                                                                    \
   }
 
-DEFINE_DECODE_TASK(f32, float, load_f32, store_f32)
-DEFINE_DECODE_TASK(bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_SEGMENT(f32, float)
+DEFINE_SEGMENT(bf16, uint16_t)
 
-int64_t paged_decode_max_gd(void) { return MAX_GD; }
+/* Start of the segment after the one holding `pos`: segments end at multiples of SEG (absolute
+ * positions), so a query's segments depend on its own key range alone, never on the batch. */
+static inline int64_t segment_end(int64_t pos, int64_t hi) {
+  const int64_t end = (pos / SEG + 1) * SEG;
+  return end < hi ? end : hi;
+}
+
+/* Whether the tasks' rows can be attended: every row once, key ranges inside their tables' valid
+ * blocks, shared keys a whole number of segments seen whole by every row of the task (from key 0) on
+ * the same blocks as its first row. */
+static int valid_tasks(const int64_t* tables, int64_t max_pages, const int64_t* row_seq, const int64_t* first_page,
+                       const int64_t* kv_len, const int64_t* kv_lo, int64_t R, int64_t S, int64_t NB, int64_t P,
+                       const int64_t* task_rows, const int64_t* task_start, const int64_t* task_shared,
+                       int64_t tasks) {
+  if (task_start[0] != 0 || task_start[tasks] != R) return 0;
+  int64_t* pages_used = calloc(S > 0 ? S : 1, sizeof(int64_t)); /* pages each sequence's rows read */
+  char* seen = calloc(R > 0 ? R : 1, 1);
+  int ok = pages_used && seen;
+  for (int64_t t = 0; ok && t < tasks; ++t) {
+    const int64_t shared = task_shared[t];
+    ok = task_start[t + 1] > task_start[t] && shared >= 0 && shared % SEG == 0;
+    const int64_t lead = ok ? row_seq[task_rows[task_start[t]]] : 0;
+    for (int64_t i = task_start[t]; ok && i < task_start[t + 1]; ++i) {
+      const int64_t r = task_rows[i];
+      ok = r >= 0 && r < R && !seen[r] && row_seq[r] >= 0 && row_seq[r] < S && lead >= 0 && lead < S;
+      if (!ok) break;
+      seen[r] = 1;
+      const int64_t seq = row_seq[r], first = first_page[seq];
+      ok = first >= 0 && kv_lo[r] >= first * P && kv_lo[r] < kv_len[r] && kv_len[r] <= (first + max_pages) * P
+           && (!shared || (kv_lo[r] == 0 && first == 0 && first_page[lead] == 0 && shared <= kv_len[r]));
+      for (int64_t page = 0; ok && page < (shared + P - 1) / P; ++page)
+        ok = tables[seq * max_pages + page] == tables[lead * max_pages + page];
+      const int64_t used = ok ? (kv_len[r] - 1) / P - first + 1 : 0;
+      if (used > pages_used[seq]) pages_used[seq] = used;
+    }
+  }
+  for (int64_t seq = 0; ok && seq < S; ++seq)
+    for (int64_t page = 0; ok && page < pages_used[seq]; ++page)
+      ok = tables[seq * max_pages + page] >= 0 && tables[seq * max_pages + page] < NB;
+  free(pages_used);
+  free(seen);
+  return ok;
+}
+
+/* One task for one kv head: its rows attend the shared keys [0, shared) together, a segment at a time
+ * for every row (the segment stays in cache), then each row its own keys [max(lo, shared), hi). Every
+ * row goes through the same segments and arithmetic as it would alone. */
+#define DEFINE_TASK(SUFFIX, T, LOADV, STORE)                                                              \
+  static int attend_task_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,             \
+                                  int64_t max_pages, const int64_t* row_seq, const int64_t* first_page,  \
+                                  const int64_t* kv_len, const int64_t* kv_lo, T* out, int64_t H,         \
+                                  int64_t G, int64_t D, int64_t P, float scale, const int64_t* rows,      \
+                                  int64_t count, int64_t shared, int64_t h) {                             \
+    const int64_t C = D / 8;                                                                             \
+    float scores[MAX_G * SEG] __attribute__((aligned(32)));                                              \
+    v8f* vectors = aligned_alloc(32, sizeof(v8f) * 2 * G * C * count);                                   \
+    float* stats = malloc(sizeof(float) * 2 * G * count);                                                \
+    if (!vectors || !stats) {                                                                            \
+      free(vectors);                                                                                     \
+      free(stats);                                                                                       \
+      return -1;                                                                                         \
+    }                                                                                                    \
+    for (int64_t i = 0; i < count; ++i) {                                                                \
+      const T* qr = q + (rows[i] * H + h * G) * D;                                                       \
+      v8f* qf = vectors + 2 * i * G * C;                                                                 \
+      for (int64_t c = 0; c < G * C; ++c) {                                                              \
+        qf[c] = LOADV(qr + c * 8) * splat(scale);                                                        \
+        qf[G * C + c] = splat(0.f);                                                                      \
+      }                                                                                                  \
+      for (int64_t g = 0; g < G; ++g) stats[2 * i * G + g] = -INFINITY, stats[(2 * i + 1) * G + g] = 0.f; \
+    }                                                                                                    \
+    _Pragma("GCC diagnostic push")                                                                       \
+    _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")                                          \
+    const int64_t lead = row_seq[rows[0]];                                                               \
+    for (int64_t start = 0; start < shared; start += SEG) {                                              \
+      if (start + SEG < shared && scattered(tables + lead * max_pages, 0, start + SEG, shared, P))       \
+        prefetch_chunk(k, v, tables + lead * max_pages, 0, start + SEG, shared, P, D * (int64_t)sizeof(T)); \
+      for (int64_t i = 0; i < count; ++i) {                                                              \
+        const row_state st = {vectors + 2 * i * G * C, vectors + (2 * i + 1) * G * C, stats + 2 * i * G,  \
+                              stats + (2 * i + 1) * G};                                                  \
+        attend_segment_##SUFFIX(st, k, v, tables + lead * max_pages, 0, start, SEG, G, D, P, scores);    \
+      }                                                                                                  \
+    }                                                                                                    \
+    for (int64_t i = 0; i < count; ++i) {                                                                \
+      const int64_t r = rows[i], seq = row_seq[r], first = first_page[seq], hi = kv_len[r];              \
+      const int64_t* table = tables + seq * max_pages;                                                   \
+      const row_state st = {vectors + 2 * i * G * C, vectors + (2 * i + 1) * G * C, stats + 2 * i * G,    \
+                            stats + (2 * i + 1) * G};                                                    \
+      for (int64_t start = kv_lo[r] > shared ? kv_lo[r] : shared; start < hi;) {                         \
+        const int64_t end = segment_end(start, hi);                                                      \
+        if (end < hi && scattered(table, first, end, hi, P))                                             \
+          prefetch_chunk(k, v, table, first, end, hi, P, D * (int64_t)sizeof(T));                        \
+        attend_segment_##SUFFIX(st, k, v, table, first, start, end - start, G, D, P, scores);            \
+        start = end;                                                                                     \
+      }                                                                                                  \
+      T* o = out + (r * H + h * G) * D;                                                                  \
+      for (int64_t g = 0; g < G; ++g) {                                                                  \
+        const v8f inv = splat(st.l[g] > 0.f ? 1.f / st.l[g] : 0.f);                                      \
+        for (int64_t c = 0; c < C; ++c) STORE(o + g * D + c * 8, st.acc[g * C + c] * inv);                \
+      }                                                                                                  \
+    }                                                                                                    \
+    _Pragma("GCC diagnostic pop")                                                                        \
+    free(vectors);                                                                                       \
+    free(stats);                                                                                         \
+    return 0;                                                                                            \
+  }                                                                                                      \
+                                                                                                         \
+  int paged_attend_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables, int64_t max_pages, \
+                            const int64_t* row_seq, const int64_t* first_page, const int64_t* kv_len,     \
+                            const int64_t* kv_lo, T* out, int64_t R, int64_t S, int64_t H, int64_t D,     \
+                            int64_t Hkv, int64_t NB, int64_t P, float scale, const int64_t* task_rows,   \
+                            const int64_t* task_start, const int64_t* task_shared, int64_t tasks,         \
+                            int threads) {                                                               \
+    if (Hkv < 1 || H % Hkv || H / Hkv > MAX_G || (H / Hkv) * D > MAX_GD || D % 8 || P < 1 || tasks < 1   \
+        || !valid_tasks(tables, max_pages, row_seq, first_page, kv_len, kv_lo, R, S, NB, P, task_rows,    \
+                        task_start, task_shared, tasks))                                                 \
+      return -1;                                                                                         \
+    const int64_t G = H / Hkv;                                                                           \
+    int failed = 0;                                                                                      \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                               \
+    for (int64_t job = 0; job < tasks * Hkv; ++job) {                                                    \
+      const int64_t t = job / Hkv, h = job % Hkv;                                                        \
+      const T* kh = k + h * NB * P * D;                                                                  \
+      const T* vh = v + h * NB * P * D;                                                                  \
+      const int64_t* rows = task_rows + task_start[t];                                                   \
+      const int64_t count = task_start[t + 1] - task_start[t];                                           \
+      int status;                                                                                        \
+      /* constant head sizes let the compiler keep accumulators in registers */                          \
+      if (D == 64)                                                                                       \
+        status = attend_task_##SUFFIX(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, \
+                                      H, G, 64, P, scale, rows, count, task_shared[t], h);                \
+      else if (D == 128)                                                                                 \
+        status = attend_task_##SUFFIX(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, \
+                                      H, G, 128, P, scale, rows, count, task_shared[t], h);               \
+      else                                                                                               \
+        status = attend_task_##SUFFIX(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, \
+                                      H, G, D, P, scale, rows, count, task_shared[t], h);                 \
+      if (status) {                                                                                      \
+        _Pragma("omp atomic write")                                                                      \
+        failed = 1;                                                                                      \
+      }                                                                                                  \
+    }                                                                                                    \
+    return failed ? -2 : 0;                                                                              \
+  }
+
+DEFINE_TASK(f32, float, load_f32, store_f32)
+DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16)
+
+int64_t paged_attend_max_gd(void) { return MAX_GD; }
+int64_t paged_attend_segment(void) { return SEG; }
 
 /* pool [H_kv, NB * P, D] (contiguous); src [H_kv, T, D] with strides (head, token) in
  * elements and unit stride along D; slots [T]. Copies T * H_kv rows of D elements. */

@@ -23,29 +23,37 @@ static inline void prefetch_line(const float* const* ahead, int64_t k) {
   for (int j = 0; j < TILE_NR; ++j) __builtin_prefetch(ahead[j] + k, 0, 2);
 }
 
-/* out[j][i] for the PANEL rows packed k-major at xp ([K][PANEL]). */
-static inline __attribute__((always_inline)) void panel_dots(const float* xp, const float* const* w,
-                                                             const float* const* ahead, int64_t K, tile_block out) {
-  v8f acc[TILE_NR][2];
-  for (int j = 0; j < TILE_NR; ++j) acc[j][0] = acc[j][1] = splat(0.f);
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    if (ahead) prefetch_line(ahead, k0);
-    const int64_t k1 = k0 + 16 < K ? k0 + 16 : K;
-    for (int64_t k = k0; k < k1; ++k) {
-      v8f x0 = load_f32(xp + k * PANEL), x1 = load_f32(xp + k * PANEL + 8);
-      KEEP_IN_REGISTER(x0);
-      KEEP_IN_REGISTER(x1);
-      for (int j = 0; j < TILE_NR; ++j) {
-        const v8f wk = splat(w[j][k]);
-        acc[j][0] += wk * x0;
-        acc[j][1] += wk * x1;
-      }
-    }
+/* out[j][i] for the PANEL rows packed k-major at xp ([K][PANEL]) against the TILE_NR weight rows w
+ * ([K] each), VECS = 2 vectors of rows (a whole panel) or 1 (its first half; out[j][8..] untouched).
+ * Every lane is one multiply-add chain over k = 0 .. K-1 from zero: the same bits for a row whichever
+ * panel, lane or variant computes it (linear.c's batch invariance rests on this). */
+#define DEFINE_PANEL_DOTS(NAME, VECS)                                                                   \
+  static inline __attribute__((always_inline)) void NAME(const float* xp, const float* const* w,        \
+                                                         const float* const* ahead, int64_t K,           \
+                                                         tile_block out) {                               \
+    v8f acc[TILE_NR][VECS];                                                                              \
+    for (int j = 0; j < TILE_NR; ++j)                                                                    \
+      for (int h = 0; h < VECS; ++h) acc[j][h] = splat(0.f);                                             \
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {                                                             \
+      if (ahead) prefetch_line(ahead, k0);                                                               \
+      const int64_t k1 = k0 + 16 < K ? k0 + 16 : K;                                                      \
+      for (int64_t k = k0; k < k1; ++k) {                                                                \
+        v8f xv[VECS];                                                                                    \
+        for (int h = 0; h < VECS; ++h) {                                                                 \
+          xv[h] = load_f32(xp + k * PANEL + 8 * h);                                                      \
+          KEEP_IN_REGISTER(xv[h]);                                                                       \
+        }                                                                                                \
+        for (int j = 0; j < TILE_NR; ++j) {                                                              \
+          const v8f wk = splat(w[j][k]);                                                                 \
+          for (int h = 0; h < VECS; ++h) acc[j][h] += wk * xv[h]; /* one fused multiply-add where the CPU has FMA */ \
+        }                                                                                                \
+      }                                                                                                  \
+    }                                                                                                    \
+    for (int j = 0; j < TILE_NR; ++j)                                                                    \
+      for (int h = 0; h < VECS; ++h) store_f32(out[j] + 8 * h, acc[j][h]);                               \
   }
-  for (int j = 0; j < TILE_NR; ++j) {
-    store_f32(out[j], acc[j][0]);
-    store_f32(out[j] + 8, acc[j][1]);
-  }
-}
+
+DEFINE_PANEL_DOTS(panel_dots, 2)
+DEFINE_PANEL_DOTS(panel_dots_half, 1)
 
 #endif
