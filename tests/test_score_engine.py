@@ -207,11 +207,9 @@ def _generate_then_score(model, tokenizer, dtype_name: str):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.xfail(reason="kernels are not batch-invariant yet: generate computes completion tokens in decode "
-                          "steps (few rows per linear) and scoring in prefill chunks (many rows), which reduce "
-                          "in different orders; equality needs the batch-invariant kernels (its own issue)",
-                   strict=False)
 def test_scoring_what_generate_sampled_gives_bitwise_its_logprobs(tiny_llama_dir, dtype):
+    """Generate decodes its tokens a few rows per step; scoring prefills them in chunks beside other
+    requests. With batch-invariant kernels both give the same bits."""
     model, tokenizer = load_model(str(tiny_llama_dir), dtype=dtype)
     generated, scored = _generate_then_score(model, tokenizer, dtype)
     for g, s in zip(generated, scored):

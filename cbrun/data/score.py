@@ -197,7 +197,7 @@ class ScoreFormat:
         return [self._result_row(spec, sample, out) for sample, out in results]
 
     def _result_row(self, spec: RowSpec, sample: int, out: GenerationOutput) -> dict:
-        failed = out.finish_reason == "error" or out.error is not None
+        failed = not out.ok  # an error, or a cancel (resume redoes it)
         logprobs = [] if failed else list(out.logprobs)
         row = {"id": spec.id, "sample": sample, "completion_token_ids": list(out.token_ids), "logprobs": logprobs,
                "sum_logprob": None if failed else math.fsum(logprobs),

@@ -34,6 +34,7 @@ def score_logits(logits: torch.Tensor, targets: torch.Tensor, top_k: int, kernel
     top_k > 0 adds the top_k most likely (token, logprob) pairs per row, most likely first.
     """
     logits = logits.float()  # [c, V]
+    targets = targets.to(logits.device)  # [c]
     rows = logits.shape[0]
     if kernels is not None and logits.device.type == "cpu":
         logits = logits.contiguous()
