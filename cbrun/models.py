@@ -110,8 +110,11 @@ def resolve_device(device: str = "auto") -> str:
 def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """Map a dtype name to a torch dtype; 'auto' picks the fastest exact-enough one for `device`.
 
-    On CPU, bfloat16 only pays off with AMX or AVX512-BF16 matmul support;
-    elsewhere it is slower than float32, so 'auto' falls back to float32.
+    On CPU 'auto' is float32 on every ISA: cbrun's kernels multiply in fp32
+    (bf16 weights are widened, exactly, so that every row count sums in one
+    order), so bf16 saves only weight memory traffic while rounding every
+    activation; the bf16 dot-product instructions (AVX512-BF16, AMX) that make
+    bf16 GEMMs twice as fast are not used by them yet.
     """
     if isinstance(name, torch.dtype):
         if name in _DTYPES.values():
@@ -128,22 +131,7 @@ def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 def _auto_dtype(device: str) -> torch.dtype:
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device == "cpu" and cpu_has_fast_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def cpu_has_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU advertises AMX or AVX512-BF16 (Linux only; False when unreadable)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return False
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    return torch.float32  # CPU: see resolve_dtype
 
 
 # --- finding the model -------------------------------------------------------

@@ -376,11 +376,8 @@ def test_bad_dtype_fails_before_any_loading():
         load_model("no-such-model-xyz", dtype="int4")
 
 
-@pytest.mark.parametrize("fast_bf16", [True, False])
-def test_auto_dtype_on_cpu_is_bf16_only_with_fast_bf16(monkeypatch, fast_bf16):
-    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: fast_bf16)
-
-    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast_bf16 else torch.float32)
+def test_auto_dtype_on_cpu_is_fp32():
+    assert resolve_dtype("auto", "cpu") == torch.float32  # our CPU kernels multiply in fp32 on every ISA
 
 
 @pytest.mark.parametrize("bf16_supported", [True, False])
@@ -388,18 +385,6 @@ def test_auto_dtype_on_cuda_is_half_precision(monkeypatch, bf16_supported):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_supported)
 
     assert resolve_dtype("auto", "cuda") == (torch.bfloat16 if bf16_supported else torch.float16)
-
-
-@pytest.mark.parametrize(
-    ("flags", "expected"),
-    [("fpu sse avx2 amx_bf16 amx_tile", True), ("fpu avx512f avx512_bf16", True), ("fpu sse avx2 avx512f", False)],
-)
-def test_cpu_bf16_detection_reads_cpuinfo_flags(tmp_path, flags, expected):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
-
-    assert models.cpu_has_fast_bf16(str(cpuinfo)) is expected
-    assert models.cpu_has_fast_bf16(str(tmp_path / "missing")) is False
 
 
 def test_auto_device_follows_cuda_availability(monkeypatch):
