@@ -238,3 +238,35 @@ def test_real_model_request_is_bitwise_identical_alone_and_in_a_crowd(dtype):
     crowded = _run(model, tokenizer, _crowd_requests(target, crowd_prompts[:12], sampling),
                    EngineConfig(max_batch_tokens=64, num_blocks=256))
     assert crowded["t"] == alone["t"]
+
+
+# -- the command line: shards, windows and resume give the same rows -----------------------------------
+
+def test_generate_rows_are_bitwise_the_same_across_shards_windows_and_resume(tiny_llama_dir, tmp_path):
+    import json
+
+    from cbrun.cli.app import main
+
+    rows = [{"id": f"r{i}", "input_ids": p} for i, p in enumerate(random_prompts(500, [3 + 7 * i % 40 for i in range(24)],
+                                                                                   seed=4))]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["-m", str(tiny_llama_dir), "--max-tokens", "10", "--temperature", "0.9", "--seed", "5", "--n", "2",
+              "--logprobs", "--num-blocks", "256", "-q"]
+
+    def generate(out, *extra, written=None):
+        assert main(["generate", str(source), str(out), *common, *extra]) == 0
+        return {(r["id"], r["sample"]): (r["completion_token_ids"], r["logprobs"])
+                for r in map(json.loads, (written or out).read_text().splitlines())}
+
+    whole = generate(tmp_path / "whole.jsonl", "--max-batch-tokens", "512")
+    narrow = generate(tmp_path / "narrow.jsonl", "--window", "3", "--max-batch-tokens", "40")
+    assert narrow == whole
+    sharded = {}
+    for index in range(3):
+        sharded.update(generate(tmp_path / "shard-{shard}.jsonl", "--num-shards", "3", "--shard-index", str(index),
+                                written=tmp_path / f"shard-{index}.jsonl"))
+    assert sharded == whole
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("".join((tmp_path / "narrow.jsonl").read_text().splitlines(keepends=True)[:17]))
+    assert generate(partial, "--resume", "--max-batch-tokens", "64") == whole  # a kill left 17 rows behind
