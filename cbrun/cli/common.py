@@ -136,3 +136,18 @@ def quiet_libraries(quiet: bool) -> None:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()  # the variable above is read only when huggingface_hub is first imported
+
+
+def check_input_output(opts) -> None:
+    """The INPUT / --dataset / OUTPUT / --window checks generate and score share (on their options object).
+
+    With --dataset the one positional argument is OUTPUT, so it moves over.
+    """
+    if opts.dataset is not None and opts.output is None:
+        opts.input, opts.output = None, opts.input
+    elif opts.dataset is not None and opts.input is not None:
+        raise CliError("give either INPUT or --dataset, not both")
+    if opts.output is None:
+        raise CliError("missing OUTPUT (a .jsonl or .parquet path, or - for stdout)")
+    if opts.window < 1:
+        raise CliError(f"--window must be at least 1, got {opts.window}")

@@ -24,7 +24,7 @@ from cbrun.cli.common import (DEFAULT_MODEL, EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW
                               CpuOffloadOption, Device, DeviceOption, Dtype, DtypeOption, MaxBatchTokensOption,
                               MaxMemoryPercentOption, MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption,
                               NumBlocksOption, PageSizeOption, RevisionOption, SafetyMarginOption, SchedulerOption,
-                              build_engine_config, first_line, load_model, quiet_libraries)
+                              build_engine_config, check_input_output, first_line, load_model, quiet_libraries)
 
 INPUT_PANEL, SAMPLING_PANEL, OUTPUT_PANEL = "Input", "Sampling (rows may override)", "Output"
 SCALE_PANEL = "Past one machine (shards, Ray)"
@@ -190,14 +190,7 @@ def run_generate(opts: GenerateOptions) -> int:
     from cbrun.data.reader import InputError
 
     quiet_libraries(opts.quiet)
-    if opts.dataset is not None and opts.output is None:
-        opts.input, opts.output = None, opts.input
-    elif opts.dataset is not None and opts.input is not None:
-        raise CliError("give either INPUT or --dataset, not both")
-    if opts.output is None:
-        raise CliError("missing OUTPUT (a .jsonl or .parquet path, or - for stdout)")
-    if opts.window < 1:
-        raise CliError(f"--window must be at least 1, got {opts.window}")
+    check_input_output(opts)
     sampling = _sampling(opts)
     engine_config = build_engine_config(**opts.engine)
     keep = _keep_columns(opts.keep_columns)

@@ -19,7 +19,7 @@ from cbrun.cli.common import (DEFAULT_MODEL, EXIT_ROWS_FAILED, CliError, CpuOffl
                               Dtype, DtypeOption, MaxBatchTokensOption, MaxMemoryPercentOption,
                               MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption, NumBlocksOption,
                               PageSizeOption, SafetyMarginOption, SchedulerOption, build_engine_config,
-                              load_model, quiet_libraries)
+                              check_input_output, load_model, quiet_libraries)
 from cbrun.cli.generate import OutputTarget, _claim_stdout, _interrupts, _report, _start_engine
 
 INPUT_PANEL, OUTPUT_PANEL = "Input", "Output"
@@ -111,14 +111,7 @@ def run_score(opts: ScoreOptions) -> int:
     from cbrun.data.score import ScoreFormat, ScoreJob, ScorePreparer
 
     quiet_libraries(opts.quiet)
-    if opts.dataset is not None and opts.output is None:
-        opts.input, opts.output = None, opts.input
-    elif opts.dataset is not None and opts.input is not None:
-        raise CliError("give either INPUT or --dataset, not both")
-    if opts.output is None:
-        raise CliError("missing OUTPUT (a .jsonl or .parquet path, or - for stdout)")
-    if opts.window < 1:
-        raise CliError(f"--window must be at least 1, got {opts.window}")
+    check_input_output(opts)
     if opts.top_logprobs < 0:
         raise CliError(f"--top-logprobs must be >= 0, got {opts.top_logprobs}")
     engine_config = build_engine_config(**opts.engine)
