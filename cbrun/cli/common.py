@@ -51,7 +51,7 @@ ModelOption = Annotated[str, typer.Option("--model", "-m", help="HF model dir, h
                                           "HF_HUB_OFFLINE=1), .gguf file or alias.", rich_help_panel=MODEL_PANEL)]
 RevisionOption = Annotated[Optional[str], typer.Option(help="Branch, tag or commit of a hub --model.",
                                                        show_default=False, rich_help_panel=MODEL_PANEL)]
-DtypeOption = Annotated[Dtype, typer.Option(help="Weights and compute dtype (auto: bf16 where the CPU is fast at it).",
+DtypeOption = Annotated[Dtype, typer.Option(help="Weights and compute dtype (auto: fp32 on CPU, bf16 or fp16 on GPU).",
                                             rich_help_panel=MODEL_PANEL)]
 DeviceOption = Annotated[Device, typer.Option(help="Where to run.", rich_help_panel=MODEL_PANEL)]
 PageSizeOption = Annotated[Optional[int], typer.Option(help="KV-cache page size in tokens.",
