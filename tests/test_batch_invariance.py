@@ -247,8 +247,8 @@ def test_generate_rows_are_bitwise_the_same_across_shards_windows_and_resume(tin
 
     from cbrun.cli.app import main
 
-    rows = [{"id": f"r{i}", "input_ids": p} for i, p in enumerate(random_prompts(500, [3 + 7 * i % 40 for i in range(24)],
-                                                                                   seed=4))]
+    prompts = random_prompts(500, [3 + 7 * i % 40 for i in range(24)], seed=4)
+    rows = [{"id": f"r{i}", "input_ids": p} for i, p in enumerate(prompts)]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = ["-m", str(tiny_llama_dir), "--max-tokens", "10", "--temperature", "0.9", "--seed", "5", "--n", "2",

@@ -22,7 +22,8 @@ def _layout(tables, kv_len, kv_lo, first_page, page):
 
 def _attend_decodes(q, k_pool, v_pool, tables, kv_len, kv_lo, first_page, scale):
     """The kernel over one decode row per sequence (q [B, H, D]), tasks planned as the engine does."""
-    seqs = [SequenceRows(i, int(n) - 1, 1, t.tolist(), int(f)) for i, (t, n, f) in enumerate(zip(tables, kv_len, first_page))]
+    seqs = [SequenceRows(i, int(n) - 1, 1, t.tolist(), int(f))
+            for i, (t, n, f) in enumerate(zip(tables, kv_len, first_page))]
     tasks = plan_tasks(seqs, k_pool.shape[2], kernels.segment, windowed=bool(kv_lo.any()))
     rows = torch.arange(len(seqs))
     return kernels.attend(q, k_pool, v_pool, tables, rows, first_page, kv_len, kv_lo, tasks, scale)

@@ -1,9 +1,8 @@
-/* The outer-product microkernel shared by the linear layers (linear.c) and the
- * shared-prefix and prefill attention (panel_attention.c): a block of PANEL rows packed
- * k-major (p[k][PANEL]) times TILE_NR rows read along k, into a TILE_NR x PANEL
- * register block. Per k: two vector loads, TILE_NR broadcasts, 2 * TILE_NR FMAs,
- * and no reduction at the end (155-195 GFLOP/s with its operands in cache on
- * the 2-core AVX2 machine measured, against 117-140 for dot products). */
+/* The outer-product microkernel of the linear layers (linear.c): a block of PANEL rows
+ * packed k-major (p[k][PANEL]) times TILE_NR rows read along k, into a TILE_NR x PANEL
+ * register block. Per k: two vector loads, TILE_NR broadcasts, 2 * TILE_NR FMAs, and
+ * no reduction at the end, so each lane (one row of x) is a plain multiply-add chain
+ * over k: the property batch invariance rests on. */
 #ifndef CBRUN_PANEL_H
 #define CBRUN_PANEL_H
 
