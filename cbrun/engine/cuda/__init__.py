@@ -1,0 +1,1 @@
+"""CUDA-only engine pieces (Triton kernels); importing them never requires triton or a GPU."""
