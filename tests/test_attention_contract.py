@@ -13,8 +13,8 @@ from cbrun.engine import attention
 from cbrun.models import load_model
 
 EXPECTED_KWARGS = {
-    "llama": {"cbrun_batch", "dropout", "position_ids", "scaling", "use_cache"},
-    "qwen3": {"cbrun_batch", "dropout", "position_ids", "scaling", "use_cache", "sliding_window"},
+    "llama": {"cbrun_backend", "cbrun_batch", "dropout", "position_ids", "scaling", "use_cache"},
+    "qwen3": {"cbrun_backend", "cbrun_batch", "dropout", "position_ids", "scaling", "use_cache", "sliding_window"},
 }
 
 

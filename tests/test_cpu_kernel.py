@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from cbrun.engine.attention import _decode
-from cbrun.engine.attention_tasks import SequenceRows, plan_tasks
+from cbrun.engine.torch_attention import decode as torch_decode
+from cbrun.engine.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.batch import DecodeLayout
-from cbrun.engine.cpu_kernels import load_cpu_kernels
+from cbrun.engine.cpu.kernels import load_cpu_kernels
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -42,7 +42,7 @@ def test_kernel_matches_torch_decode(dtype, tol, window):
     tables = torch.randperm(blocks)[:16].view(4, 4)
     layout = _layout(tables, kv_len, kv_lo, first_page, page)
     q = torch.randn(heads, 4, dim).to(dtype)  # [H, B, D]
-    expected = _decode(q, k_pool, v_pool, layout, 0.3)
+    expected = torch_decode(q, k_pool, v_pool, layout, 0.3)
     got = _attend_decodes(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, kv_len, kv_lo, first_page, 0.3)
     assert got.dtype == dtype
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
@@ -62,7 +62,7 @@ def test_kernel_long_contexts_cross_pages_and_segments(dtype, tol, heads, kv_hea
     zeros = torch.zeros(len(lengths), dtype=torch.long)
     layout = _layout(tables, lengths, zeros, zeros, page)
     q = torch.randn(heads, len(lengths), dim).to(dtype)
-    expected = _decode(q, k_pool, v_pool, layout, dim ** -0.5)
+    expected = torch_decode(q, k_pool, v_pool, layout, dim ** -0.5)
     got = _attend_decodes(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, lengths, zeros, zeros, dim ** -0.5)
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
 
@@ -126,7 +126,7 @@ def test_linear_kernel_matches_f_linear(rows, out_features, in_features, with_bi
 
 
 def test_kernel_linears_install_and_uninstall():
-    from cbrun.engine.cpu_linear import install_kernel_linears, uninstall
+    from cbrun.engine.cpu.linear import install_kernel_linears, uninstall
 
     torch.manual_seed(6)
     decoder = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8, bias=False))

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from cbrun.engine.cpu_kernels import load_cpu_kernels
+from cbrun.engine.cpu.kernels import load_cpu_kernels
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -109,7 +109,7 @@ def _load(directory):
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_mistral_sliding_dir"])
 def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, request):
-    from cbrun.engine.fused_layers import install_fused_layers, uninstall
+    from cbrun.engine.cpu.fused_layers import install_fused_layers, uninstall
 
     model = _load(request.getfixturevalue(fixture))
     model.set_attn_implementation("sdpa")
@@ -131,7 +131,7 @@ def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, re
 
 def test_layers_of_another_shape_are_left_alone(tiny_gemma_hybrid_dir):
     """Gemma3's layers have extra norms and a (1 + w) RMSNorm: not fused."""
-    from cbrun.engine.fused_layers import install_fused_layers
+    from cbrun.engine.cpu.fused_layers import install_fused_layers
 
     model = _load(tiny_gemma_hybrid_dir)
     assert install_fused_layers(model, kernels) == []
@@ -139,7 +139,7 @@ def test_layers_of_another_shape_are_left_alone(tiny_gemma_hybrid_dir):
 
 def test_a_layer_that_computes_something_else_fails_its_probe(tiny_llama_dir):
     """Same structure, different function (a norm with another formula): that layer keeps its forward."""
-    from cbrun.engine.fused_layers import install_fused_layers
+    from cbrun.engine.cpu.fused_layers import install_fused_layers
 
     model = _load(tiny_llama_dir)
     odd = model.model.layers[1].post_attention_layernorm
@@ -158,7 +158,7 @@ def test_silu_mul_matches_torch():
 
 def test_a_model_that_cannot_switch_to_sdpa_is_not_fused(tiny_llama_dir, monkeypatch):
     """The probe needs SDPA; without it the layers keep their stock forward and nothing fails."""
-    from cbrun.engine.fused_layers import install_fused_layers
+    from cbrun.engine.cpu.fused_layers import install_fused_layers
 
     model = _load(tiny_llama_dir)
     original = model.set_attn_implementation

@@ -15,7 +15,7 @@ import torch
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.config import SamplingParams as Params
-from cbrun.engine.cpu_kernels import load_cpu_kernels
+from cbrun.engine.cpu.kernels import load_cpu_kernels
 from cbrun.engine.request import Request
 from cbrun.engine.runner import SCORE_CHUNK
 from cbrun.engine.sampler import sample

@@ -6,15 +6,18 @@ single-query sequences (decodes) first, then prefill chunks:
     input_ids   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      T = 9
     logits at   [  0  1  2 |          6  |     8 ]      last token of each finishing sequence
 
-With the compiled CPU attention kernel every token is a row: each query is
-attended alone over its own keys (decode rows, and every token of a prefill
-chunk), grouped into tasks that read shared leading pages once
-(attention_tasks.py). The torch path attends decodes and short chunks over a
-cached context row by row, and longer or fresh chunks with SDPA per sequence.
+With a row-attending backend (the compiled CPU kernel, Triton on CUDA)
+every token is a row: each query is attended alone over its own keys (decode
+rows, and every token of a prefill chunk); the backend adds its own plan of
+the rows (the CPU kernel's tasks that read shared leading pages once, the
+Triton kernel's query blocks). The torch reference attends decodes and short
+chunks over a cached context row by row, and longer or fresh chunks with
+SDPA per sequence.
 
 `PagedBatch` is the one typed object the attention function receives each
-step (through the model's **kwargs); everything it needs per layer is built
-here once per step, not per layer.
+step (through the model's **kwargs), tensors only; everything it needs per
+layer is built here once per step, not per layer. Its tensors are made on
+the host and reach an accelerator in one copy (device_copy.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,18 @@ import torch
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
 from cbrun.engine.request import Request
-from cbrun.engine.attention_tasks import SequenceRows, plan_tasks
+from cbrun.engine.device_copy import to_device
+
+
+@dataclass
+class SequenceRows:
+    """The query rows of one sequence in a step: `count` tokens from position `start`, rows first_row..."""
+
+    first_row: int
+    start: int
+    count: int
+    table: list[int]  # block ids from logical page `first_page` on
+    first_page: int
 
 
 @dataclass
@@ -55,8 +69,8 @@ class DecodeLayout:
     """Where the keys of every row-wise query token lie.
 
     Kernel form (`row_seq` set): one block table per sequence, the sequence of
-    each row, and the kernel's tasks. Torch form: one padded table per row,
-    which the torch path gathers through `pages` and masks with `bias`.
+    each row, and the backend's plan of the rows. Torch form: one padded table
+    per row, which the torch path gathers through `pages` and masks with `bias`.
     """
 
     tables: torch.Tensor  # [S, max_pages] (kernel) or [B, max_pages] (torch) int64 block ids, padded
@@ -66,7 +80,7 @@ class DecodeLayout:
     pages: torch.Tensor | None = None  # [B * max_pages] (torch path)
     bias: torch.Tensor | None = None  # [B, 1, max_pages * page] 0 or -inf, fp32 (torch path)
     row_seq: torch.Tensor | None = None  # [B] table of each row (kernel form)
-    tasks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, starts, shared keys (kernel)
+    plan: tuple = ()  # the backend's plan of the rows: tensors and sizes (kernel form; see Backend.plan_rows)
 
     def per_row(self) -> DecodeLayout:
         """The torch form's addressing: one table per row (the kernel form's, expanded)."""
@@ -76,6 +90,9 @@ class DecodeLayout:
                             self.first_page.index_select(0, self.row_seq))
 
 
+HOST_ONLY = {"device_copy": False}  # a PagedBatch field that stays as it is (device_copy.py)
+
+
 @dataclass
 class PagedBatch:
     """Everything one forward pass needs, built once per step."""
@@ -83,16 +100,14 @@ class PagedBatch:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     logits_indices: torch.Tensor  # [N] flat index of each sampled sequence's last token
-    sampled: list[Request]  # the N requests that get a token this step
+    sampled: list[Request] = field(metadata=HOST_ONLY)  # the N requests that get a token this step
     num_decode: int  # single-query sequences (decodes), for statistics
     num_rows: int  # leading tokens attended row by row (decodes, short chunks over a cached context)
     groups: dict[str, GroupLayout]
-    store: KVStore
+    store: KVStore = field(metadata=HOST_ONLY)  # the page pools (already on the device)
     layer_groups: tuple[str, ...]  # attention type of each layer: "full" or "sliding"
-    attend_kernel: object | None = None  # compiled CPU attention (every token a row), when available
-    write_kernel: object | None = None  # compiled CPU K/V write, when available
     score_indices: torch.Tensor | None = None  # [S] flat index of each position a scoring request keeps
-    scored: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first position, count)
+    scored: list[tuple[Request, int, int]] = field(default_factory=list, metadata=HOST_ONLY)  # (request, first, count)
 
     @property
     def num_tokens(self) -> int:
@@ -106,11 +121,8 @@ class BatchBuilder:
     """Turns (request, new tokens) pairs into a PagedBatch for the cache's allocators."""
 
     def __init__(self, cache: KVCacheManager, store: KVStore, layer_groups: tuple[str, ...],
-                 page_size: int, sliding_window: int | None, device: torch.device,
-                 attend_kernel=None, write_kernel=None, segment: int = 64) -> None:
-        self.attend_kernel = attend_kernel
-        self.write_kernel = write_kernel
-        self.segment = segment  # the kernel's keys per softmax segment (shared keys come in whole segments)
+                 page_size: int, sliding_window: int | None, device: torch.device, backend) -> None:
+        self.backend = backend  # attends_rows: every token a row; plan_rows: its per-step plan
         self.cache = cache
         self.store = store
         self.layer_groups = layer_groups
@@ -119,7 +131,7 @@ class BatchBuilder:
         self.device = device
 
     def build(self, items: list[tuple[Request, int]]) -> PagedBatch:
-        if self.attend_kernel is not None:  # every token a row: one arithmetic for every query
+        if self.backend.attends_rows:  # every token a row: one arithmetic for every query
             row_items = items
         else:
             row_items = [(r, n) for r, n in items if n == 1 or (r.num_computed_tokens > 0 and n <= ROW_CHUNK)]
@@ -144,8 +156,8 @@ class BatchBuilder:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(request)
         groups = {name: self._layout(name, items, len(row_items)) for name in self.cache.allocators}
-        as_long = dict(dtype=torch.long, device=self.device)
-        return PagedBatch(
+        as_long = dict(dtype=torch.long)
+        batch = PagedBatch(
             input_ids=torch.tensor([ids], **as_long),
             position_ids=torch.tensor([positions], **as_long),
             logits_indices=torch.tensor(logits_rows, **as_long),
@@ -155,11 +167,10 @@ class BatchBuilder:
             groups=groups,
             store=self.store,
             layer_groups=self.layer_groups,
-            attend_kernel=self.attend_kernel,
-            write_kernel=self.write_kernel,
             score_indices=torch.tensor(score_rows, **as_long),
             scored=scored,
         )
+        return to_device(batch, self.device)
 
     # -- per attention type -------------------------------------------------
     def _layout(self, group: str, items: list[tuple[Request, int]], num_row_items: int) -> GroupLayout:
@@ -173,7 +184,7 @@ class BatchBuilder:
             tables.append((table, first))
             for pos in range(request.num_computed_tokens, request.num_computed_tokens + count):
                 slots.append(table[pos // page - first] * page + pos % page)
-        layout = GroupLayout(write_slots=torch.tensor(slots, dtype=torch.long, device=self.device))
+        layout = GroupLayout(write_slots=torch.tensor(slots, dtype=torch.long))
         if num_row_items:
             layout.decode = self._decode_layout(items[:num_row_items], tables[:num_row_items], window)
         offset = sum(count for _, count in items[:num_row_items])
@@ -184,7 +195,7 @@ class BatchBuilder:
 
     def _decode_layout(self, items, tables, window: int | None) -> DecodeLayout:
         """Block tables and visible key ranges for every row-wise query token."""
-        if self.attend_kernel is not None:
+        if self.backend.attends_rows:
             return self._kernel_layout(items, tables, window)
         page = self.page_size
         max_pages = max(len(table) for table, _ in tables)
@@ -196,7 +207,7 @@ class BatchBuilder:
                 firsts.append(first)
                 lengths.append(pos + 1)  # causal: keys up to and including this token
         lows = [max(0, n - window) if window is not None else 0 for n in lengths]
-        as_long = dict(dtype=torch.long, device=self.device)
+        as_long = dict(dtype=torch.long)
         layout = DecodeLayout(
             tables=torch.tensor(padded, **as_long),
             kv_len=torch.tensor(lengths, **as_long),
@@ -206,7 +217,7 @@ class BatchBuilder:
         offsets = torch.arange(max_pages * page, **as_long)  # [L]
         key_pos = layout.first_page[:, None] * page + offsets[None, :]  # [B, L]
         valid = (key_pos < layout.kv_len[:, None]) & (key_pos >= layout.kv_lo[:, None])
-        bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device)
+        bias = torch.zeros(valid.shape, dtype=torch.float32)
         layout.bias = bias.masked_fill_(~valid, float("-inf"))[:, None, :]  # [B, 1, L]
         layout.pages = layout.tables.view(-1)
         return layout
@@ -221,14 +232,14 @@ class BatchBuilder:
             lengths.extend(range(start + 1, start + count + 1))  # causal: keys up to and including the token
             row_seq.extend([index] * count)
         lows = [max(0, n - window) if window is not None else 0 for n in lengths]
-        as_long = dict(dtype=torch.long, device=self.device)
+        as_long = dict(dtype=torch.long)
         return DecodeLayout(
             tables=torch.tensor([table + [table[0]] * (max_pages - len(table)) for table, _ in tables], **as_long),
             kv_len=torch.tensor(lengths, **as_long),
             kv_lo=torch.tensor(lows, **as_long),
             first_page=torch.tensor([first for _, first in tables], **as_long),
             row_seq=torch.tensor(row_seq, **as_long),
-            tasks=plan_tasks(seqs, self.page_size, self.segment, window is not None),
+            plan=self.backend.plan_rows(seqs, self.page_size, window is not None),
         )
 
     def _prefill_seq(self, request: Request, count: int, offset: int, table: list[int],
@@ -239,13 +250,13 @@ class BatchBuilder:
             mask = None
             if window is not None and count > window:
                 key_pos = torch.arange(count)
-                mask = _causal_window(query_pos, key_pos, window).to(self.device)
+                mask = _causal_window(query_pos, key_pos, window)
             return PrefillSeq(offset, offset + count, True, None, mask, 0 if mask is None else None)
         key_pos = first * self.page_size + torch.arange(len(table) * self.page_size)  # [L]
         mask = _causal_window(query_pos, key_pos, window)
-        pages = torch.tensor(table, dtype=torch.long, device=self.device)
+        pages = torch.tensor(table, dtype=torch.long)
         plain = window is None and first == 0
-        return PrefillSeq(offset, offset + count, False, pages, mask.to(self.device), start if plain else None)
+        return PrefillSeq(offset, offset + count, False, pages, mask, start if plain else None)
 
 
 def _causal_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 SchedulerName = Literal["fifo", "prefill-first"]
+BackendName = Literal["auto", "cpu", "triton", "torch"]
+BACKEND_NAMES: tuple[str, ...] = ("auto", "cpu", "triton", "torch")
 
 
 class ConfigError(ValueError):
@@ -48,6 +50,9 @@ class EngineConfig:
         first requests do not pay page faults mid-run (what preallocating
         engines pay at start-up). 0: the pool stays lazy; its resident memory
         follows the working set.
+    backend: what computes the model (backend.py): "auto" (the compiled
+        kernels on CPU, Triton on CUDA, the torch reference where neither
+        can run), "cpu", "triton" or "torch" (the reference).
     """
 
     page_size: int = 16
@@ -60,6 +65,7 @@ class EngineConfig:
     cpu_offload_space: float = 0.0
     max_memory_percent: float = 0.5
     prefault_blocks: int = 0
+    backend: BackendName = "auto"
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 4, f"page_size must be at least 4, got {self.page_size}")
@@ -80,6 +86,8 @@ class EngineConfig:
         if self.safety_margin is None:
             self.safety_margin = 0.15 if self.scheduler == "fifo" else 0.0
         _check(0.0 <= self.safety_margin < 1.0, f"safety_margin must be in [0, 1), got {self.safety_margin}")
+        _check(self.backend in BACKEND_NAMES,
+               f"backend must be one of {', '.join(BACKEND_NAMES)}, got {self.backend!r}")
         _check(self.cpu_offload_space >= 0, f"cpu_offload_space must be >= 0, got {self.cpu_offload_space}")
         _check(
             0.0 < self.max_memory_percent <= 1.0,

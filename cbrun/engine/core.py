@@ -14,21 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from cbrun.engine.attention import register as register_attention
+from cbrun.engine.backend import choose_backend
 from cbrun.engine.batch import BatchBuilder
 from cbrun.engine.config import EngineConfig, StatsSnapshot
-from cbrun.engine.cpu_kernels import load_cpu_kernels
-from cbrun.engine.cpu_linear import install_kernel_linears, uninstall
 from cbrun.engine.detokenize import Detokenizer
-from cbrun.engine.fused_layers import install_fused_layers
-from cbrun.engine.fused_layers import uninstall as uninstall_fused_layers
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
 from cbrun.engine.model_spec import ModelSpec, default_device, read_model_spec
 from cbrun.engine.offload import make_preemptor
 from cbrun.engine.request import Request, RequestStatus
 from cbrun.engine.runner import ModelRunner
-from cbrun.engine.sampler import sample
-from cbrun.engine.scoring import ScoredRows, score_logits
+from cbrun.engine.scoring import ScoredRows
 from cbrun.engine.sizing import choose_num_blocks
 from cbrun.engine.scheduler import Scheduler
 
@@ -76,14 +72,10 @@ class EngineCore:
             self.cache.pool.touched = prefault
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
-        self.kernels = load_cpu_kernels() if self.device.type == "cpu" else None
-        self.fast_linears = install_kernel_linears(model, self.kernels) if self.kernels else []
-        self.fused_layers = install_fused_layers(model, self.kernels)
+        self.backend = choose_backend(model, config.backend, self.spec)  # kernels, linears, attention, sampler
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
-                                    self.spec.sliding_window, self.device, self._attend_kernel(),
-                                    self.kernels.write_kv if self.kernels else None,
-                                    self.kernels.segment if self.kernels else 64)
-        self.runner = ModelRunner(model, self.kernels)
+                                    self.spec.sliding_window, self.device, self.backend)
+        self.runner = ModelRunner(model, self.backend)
         self.detok = Detokenizer(tokenizer)
         self._stats = StatsSnapshot(blocks_total=num_blocks)
         self._started = time.perf_counter()
@@ -92,20 +84,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Give the model back as it came, apart from its attention implementation."""
-        uninstall(self.fast_linears)
-        uninstall_fused_layers(self.fused_layers)
-        self.fast_linears, self.fused_layers = [], []
-
-    def _attend_kernel(self):
-        """The compiled CPU attention when it applies to this model, else None (the torch paths).
-
-        Not for models that soft-cap attention logits (Gemma 2): the kernel does not cap.
-        """
-        if self.kernels is None or _softcaps_attention(self.model.config):
-            return None
-        kv = self.spec.kv
-        group = self.model.config.num_attention_heads // kv.num_kv_heads
-        return self.kernels.attend if self.kernels.supports_attention(kv.dtype, group, kv.head_dim) else None
+        self.backend.close()
 
     # -- requests ---------------------------------------------------------
     def validate(self, prompt_ids: list[int], max_tokens: int) -> str | None:
@@ -169,7 +148,7 @@ class EngineCore:
         batch = self.builder.build(batch_plan.items)
         try:
             step = self.runner.forward(batch)
-            picked = sample(step.sampled, batch.sampled, self.kernels) if batch.sampled else None  # [N, V] in
+            picked = self.backend.sample(step.sampled, batch.sampled) if batch.sampled else None  # [N, V] in
             scored = self._score(batch, step) if batch.scored else None
         except Exception as exc:  # a failing forward fails its batch, not the engine
             log.exception("forward failed")
@@ -194,7 +173,7 @@ class EngineCore:
         top_k = max(request.score.top_logprobs for request, _, _ in batch.scored)
         total = ScoredRows([], [], [] if top_k else None)
         for start, logits in self.runner.score_chunks(step):  # [c, V]
-            part = score_logits(logits, targets[start:start + logits.shape[0]], top_k, self.kernels)
+            part = self.backend.score(logits, targets[start:start + logits.shape[0]], top_k)
             total.logprobs += part.logprobs
             total.greedy += part.greedy
             if top_k:
@@ -301,8 +280,3 @@ class EngineCore:
         snap.elapsed_s = time.perf_counter() - self._started
         return snap
 
-
-def _softcaps_attention(config) -> bool:
-    """Whether the model soft-caps its attention scores (Gemma 2's attn_logit_softcapping)."""
-    configs = (config, getattr(config, "text_config", None))
-    return any(getattr(c, "attn_logit_softcapping", None) for c in configs if c is not None)

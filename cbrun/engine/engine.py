@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
 from cbrun.engine.core import EngineCore, StepOutcome
-from cbrun.engine.openmp import release_caller_threads
+from cbrun.engine.cpu.openmp import release_caller_threads
 from cbrun.engine.request import GenerationOutput, Request, RequestStatus, ScoreSpec, StreamChunk
 from cbrun.engine.results import ResultStore
 

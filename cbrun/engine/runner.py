@@ -4,10 +4,10 @@ The model is a stock transformers causal LM whose attention implementation
 was switched to ours; each call passes flat `(1, T)` inputs, explicit
 positions, no cache object, and the step's `PagedBatch` as one kwarg.
 
-For a plain linear output head the runner projects the sampled rows itself:
-on CPU through the compiled linear kernel, straight to fp32 logits (bf16
-models too) and in one summation order for any number of rows, so a
-request's logits do not depend on its neighbours. Heads that post-process
+For a plain linear output head the runner projects the sampled rows itself,
+through its backend: on CPU the compiled linear kernel, straight to fp32
+logits (bf16 models too) and in one summation order for any number of rows,
+so a request's logits do not depend on its neighbours. Heads that post-process
 logits (soft-capping, scaling) go through the model's own forward.
 """
 
@@ -17,11 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from cbrun.engine.attention import BATCH_KWARG
+from cbrun.engine.attention import BACKEND_KWARG, BATCH_KWARG
 from cbrun.engine.batch import PagedBatch
-from cbrun.engine.cpu_linear import kernel_can_read, kernel_linear
 
 # config attributes by which a causal LM transforms logits after its head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -48,12 +46,11 @@ class StepLogits:
 class ModelRunner:
     """Runs one forward pass per step and returns fp32 logits of sampled rows."""
 
-    def __init__(self, model, kernels=None) -> None:
+    def __init__(self, model, backend) -> None:
         self.model = model
+        self.backend = backend
         self.keeps_logits = bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
         self.head = _plain_head(model)
-        fast = self.head is not None and kernel_can_read(self.head)
-        self.kernels = kernels if fast else None
 
     @torch.inference_mode()
     def forward(self, batch: PagedBatch) -> StepLogits:
@@ -63,6 +60,7 @@ class ModelRunner:
             "position_ids": batch.position_ids,  # [1, T]
             "use_cache": False,
             BATCH_KWARG: batch,
+            BACKEND_KWARG: self.backend,
         }
         num_sampled = len(batch.logits_indices)
         score_indices = batch.score_indices if batch.score_indices is not None else batch.logits_indices[:0]
@@ -99,9 +97,7 @@ class ModelRunner:
         """Output head: rows [n, hidden] -> fp32 logits [n, V]; the one place logits are made."""
         if self.head is None:
             return self.model.lm_head(rows).float()
-        if self.kernels is not None:  # fp32 logits straight from the fp32 sums, in one order for every row count
-            return kernel_linear(self.kernels, self.head.weight, self.head.bias, rows, torch.float32)
-        return F.linear(rows, self.head.weight, self.head.bias).float()
+        return self.backend.project(self.head, rows)
 
 
 def _plain_head(model) -> torch.nn.Linear | None:

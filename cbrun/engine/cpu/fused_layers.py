@@ -20,7 +20,7 @@ projection goes through the compiled linear kernel, whose sums do not depend
 on the number of rows (batch invariance).
 
 Installed per module instance (a `forward` attribute) by the engine core and
-removed by `uninstall`, like the kernel linears (cpu_linear.py).
+removed by `uninstall`, like the kernel linears (linear.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cbrun.engine.cpu_linear import kernel_can_read, kernel_linear
+from cbrun.engine.cpu.linear import kernel_can_read, kernel_linear
 
 log = logging.getLogger("cbrun.engine")
 

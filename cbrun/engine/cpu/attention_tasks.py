@@ -19,22 +19,11 @@ segments (`segment` keys, from position 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from cbrun.engine.batch import SequenceRows
+
 TASK_ROWS = 16  # rows per task at most: big groups are split so both threads get work
-
-
-@dataclass
-class SequenceRows:
-    """The query rows of one sequence in a step: `count` tokens from position `start`, rows first_row..."""
-
-    first_row: int
-    start: int
-    count: int
-    table: list[int]  # block ids from logical page `first_page` on
-    first_page: int
 
 
 def plan_tasks(seqs: list[SequenceRows], page_size: int, segment: int, windowed: bool,

@@ -1,0 +1,127 @@
+"""The compute backend: the one object the engine core wires to run a model on a device.
+
+A backend is chosen once, at engine start, and owns everything device-specific:
+
+- what it installs on the model (the CPU backend's kernel linears and fused
+  decoder layers),
+- how the step's attention rows are planned (extra per-step tensors its
+  kernel wants: the CPU kernel's tasks, the Triton kernel's query blocks),
+- the K/V writes and the attention over the page pools,
+- the output head's projection and the sampler.
+
+The per-step batch (batch.py) then carries tensors only, and the attention
+function (attention.py) asks the backend that the runner hands it. The torch
+backend here is the reference every other backend is tested against: plain
+torch ops on any device, gathering each row's pages into a padded copy.
+
+    choose_backend(model, config, spec)  ->  CpuBackend | CudaBackend | TorchBackend
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from cbrun.engine import torch_attention
+from cbrun.engine.config import BACKEND_NAMES
+from cbrun.engine.model_spec import ModelSpec
+from cbrun.engine.sampler import Sampled, sample
+from cbrun.engine.scoring import ScoredRows, score_logits
+
+log = logging.getLogger("cbrun.engine")
+
+class BackendUnavailable(RuntimeError):
+    """The backend asked for cannot run here (no compiler, no Triton, wrong device); the message says why."""
+
+
+class TorchBackend:
+    """Reference backend: torch ops only, on any device.
+
+    Decodes and short chunks over a cached context are attended row by row
+    over their gathered pages with a key bias; other chunks go through SDPA
+    per sequence (batch.py lays the step out that way when `attends_rows` is
+    False).
+    """
+
+    name = "torch"
+    attends_rows = False  # every query token a row with its own key range (the kernels' layout)
+    segment = 64  # keys per online-softmax segment, for backends that split keys (unused here)
+
+    def install(self, model, spec: ModelSpec) -> None:
+        """Patch what the backend runs itself into the model (nothing for torch)."""
+
+    def close(self) -> None:
+        """Give the model back as it came (apart from its attention implementation)."""
+
+    def plan_rows(self, seqs, page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
+        """Extra per-step tensors the row attention wants for these sequences (kernel backends only)."""
+        return ()
+
+    def write_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """Store the new tokens' K/V ([H_kv, T, D]) at their flat slots [T] of the pools [H_kv, NB, P, D]."""
+        torch_attention.write(k_pool, v_pool, key, value, slots)
+
+    def attend_rows(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows, scale: float,
+                    softcap: float | None) -> torch.Tensor:
+        """Query rows [H, R, D] over their own keys -> [R, H, D] (the torch path; kernels override)."""
+        return torch_attention.decode(query, k_pool, v_pool, rows.per_row(), scale, softcap)
+
+    def project(self, head: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
+        """The output head: rows [n, hidden] -> fp32 logits [n, V]."""
+        return F.linear(rows, head.weight, head.bias).float()
+
+    def sample(self, logits: torch.Tensor, requests) -> Sampled:
+        """One token per row of fp32 logits [N, V] for the matching request."""
+        return sample(logits, requests)
+
+    def score(self, logits: torch.Tensor, targets: torch.Tensor, top_k: int) -> ScoredRows:
+        """Logprobs of the targets [c] under logits [c, V], bitwise what `sample` reports."""
+        return score_logits(logits, targets, top_k)
+
+    def describe(self) -> str:
+        return self.name
+
+
+def choose_backend(model, name: str, spec: ModelSpec):
+    """The backend `name` ("auto", "cpu", "torch", "triton") for the model's device, installed on the model.
+
+    "auto": the compiled kernels on CPU (torch when they cannot be built),
+    Triton on CUDA when it is installed (else torch). An explicit name that
+    cannot run here raises BackendUnavailable.
+    """
+    if name not in BACKEND_NAMES:
+        raise BackendUnavailable(f"unknown backend {name!r} (choose from {', '.join(BACKEND_NAMES)})")
+    device = next(model.parameters()).device
+    backend = _pick(name, device)
+    backend.install(model, spec)
+    log.info("compute backend: %s", backend.describe())
+    return backend
+
+
+def _pick(name: str, device: torch.device):
+    if name == "torch":
+        return TorchBackend()
+    if name in ("auto", "cpu") and device.type == "cpu":
+        from cbrun.engine.cpu.backend import CpuBackend
+        from cbrun.engine.cpu.kernels import load_cpu_kernels
+
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            return CpuBackend(kernels)
+        if name == "cpu":
+            raise BackendUnavailable("the compiled CPU kernels could not be built or are switched off "
+                                     "(CBRUN_KERNELS=torch); see the log for why")
+        return TorchBackend()
+    if name == "cpu":
+        raise BackendUnavailable(f"the cpu backend runs models on the CPU; this model is on {device}")
+    from cbrun.engine.cuda.backend import CudaBackend, triton_usable
+
+    usable = triton_usable(device)
+    if usable is True:
+        return CudaBackend(device)
+    if name == "triton":
+        raise BackendUnavailable(f"the triton backend cannot run here: {usable}")
+    return TorchBackend()

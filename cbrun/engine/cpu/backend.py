@@ -1,0 +1,97 @@
+"""The CPU backend: the compiled kernels, the kernel linears and the fused decoder layers, as one object.
+
+The engine core wires this and nothing else of the CPU path. At install it
+routes the model's linear layers through the compiled linear kernel
+(linear.py), gives Llama-shaped decoder layers the fused forward
+(fused_layers.py) and decides once whether the compiled attention applies
+to the model; per step it plans the attention tasks and runs the kernels.
+Every kernel gives a row the same bits whatever else is in its step (batch
+invariance), so what this backend computes for a request never depends on
+its neighbours.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cbrun.engine import torch_attention
+from cbrun.engine.backend import TorchBackend
+from cbrun.engine.cpu.attention_tasks import plan_tasks
+from cbrun.engine.cpu.fused_layers import install_fused_layers
+from cbrun.engine.cpu.fused_layers import uninstall as uninstall_fused_layers
+from cbrun.engine.cpu.kernels import CpuKernels
+from cbrun.engine.cpu.linear import install_kernel_linears, kernel_can_read, kernel_linear
+from cbrun.engine.cpu.linear import uninstall as uninstall_linears
+from cbrun.engine.model_spec import ModelSpec
+from cbrun.engine.sampler import Sampled, sample
+from cbrun.engine.scoring import ScoredRows, score_logits
+
+
+class CpuBackend(TorchBackend):
+    """Compiled CPU kernels for linears, fused layers, attention, K/V writes and sampling.
+
+    Attention falls back to the torch reference for models the kernel does
+    not cover (soft-capped scores, head shapes past its limits); the linears
+    and fused layers still run compiled then.
+    """
+
+    name = "cpu"
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+        self.segment = kernels.segment  # keys per online-softmax segment (shared keys come in whole segments)
+        self.attends_rows = False
+        self.linears: list[torch.nn.Linear] = []
+        self.fused_layers: list[torch.nn.Module] = []
+
+    def install(self, model, spec: ModelSpec) -> None:
+        """Patch the model's linears and decoder layers; decide whether the compiled attention applies."""
+        self.linears = install_kernel_linears(model, self.kernels)
+        self.fused_layers = install_fused_layers(model, self.kernels)
+        kv = spec.kv
+        group = model.config.num_attention_heads // kv.num_kv_heads
+        self.attends_rows = not _softcaps_attention(model.config) and \
+            self.kernels.supports_attention(kv.dtype, group, kv.head_dim)
+
+    def close(self) -> None:
+        uninstall_linears(self.linears)
+        uninstall_fused_layers(self.fused_layers)
+        self.linears, self.fused_layers = [], []
+
+    def plan_rows(self, seqs, page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
+        """The kernel's tasks (rows [R], start [T + 1], shared keys [T]): rows sharing leading pages together."""
+        return plan_tasks(seqs, page_size, self.segment, windowed)
+
+    def write_kv(self, k_pool, v_pool, key, value, slots) -> None:
+        self.kernels.write_kv(k_pool, key, slots)
+        self.kernels.write_kv(v_pool, value, slots)
+
+    def attend_rows(self, query, k_pool, v_pool, rows, scale: float, softcap: float | None) -> torch.Tensor:
+        """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
+        if not self.attends_rows or softcap:
+            return torch_attention.decode(query, k_pool, v_pool, rows.per_row(), scale, softcap)
+        return self.kernels.attend(query.transpose(0, 1).contiguous(), k_pool, v_pool, rows.tables, rows.row_seq,
+                                   rows.first_page, rows.kv_len, rows.kv_lo, rows.plan, scale)
+
+    def project(self, head: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits straight from the kernel's fp32 sums, in one order for every row count."""
+        if not kernel_can_read(head):
+            return super().project(head, rows)
+        return kernel_linear(self.kernels, head.weight, head.bias, rows, torch.float32)
+
+    def sample(self, logits: torch.Tensor, requests) -> Sampled:
+        return sample(logits, requests, self.kernels)
+
+    def score(self, logits: torch.Tensor, targets: torch.Tensor, top_k: int) -> ScoredRows:
+        return score_logits(logits, targets, top_k, self.kernels)
+
+    def describe(self) -> str:
+        attention = "compiled" if self.attends_rows else "torch"
+        return (f"cpu (compiled kernels; {len(self.linears)} linears, {len(self.fused_layers)} fused layers, "
+                f"{attention} attention)")
+
+
+def _softcaps_attention(config) -> bool:
+    """Whether the model soft-caps its attention scores (Gemma 2's attn_logit_softcapping)."""
+    configs = (config, getattr(config, "text_config", None))
+    return any(getattr(c, "attn_logit_softcapping", None) for c in configs if c is not None)
