@@ -8,6 +8,11 @@ Randomness is counter-based: each sampled token uses one uniform number
 derived from (seed, sample index, token position) by a 64-bit mixer and
 inverts the filtered distribution's CDF. A seeded request therefore draws
 the same numbers whatever else is in the batch and however it was scheduled.
+
+On an accelerator everything runs on the logits' device: the per-row
+parameters go over in one asynchronous copy each, nothing waits on a value
+mid-way, and the chosen ids and their logprobs come back in one copy at the
+end (the step's one device-to-host transfer).
 """
 
 from __future__ import annotations
@@ -56,19 +61,34 @@ def sample(logits: torch.Tensor, requests: list[Request], kernels=None) -> Sampl
     if kernels is not None and logits.device.type == "cpu":
         return _sample_with_kernel(logits.contiguous(), requests, kernels)
     params = [r.sampling for r in requests]
+    device = logits.device
     if any(p.temperature not in (0, 1) for p in params):
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
+        temps = _on(device, [p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
         logits = logits / temps[:, None]
     normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, 1]
     chosen = torch.argmax(logits, dim=-1)  # [N] greedy choice
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows)
+        rows = _on(device, random_rows, torch.long)
         row_logprobs = logits[rows] - normalizer[rows]  # [n, V]
         chosen[rows] = _sample_rows(row_logprobs, [requests[i] for i in random_rows])
     token_logprobs = (logits.gather(1, chosen[:, None]) - normalizer)[:, 0]  # [N]
     top = _top_alternatives(logits, normalizer, params)
-    return Sampled(chosen.tolist(), token_logprobs.tolist(), top)
+    return _to_host(chosen, token_logprobs, top)
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A host list as a tensor on `device`, sent without making the host wait for the device."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _to_host(chosen: torch.Tensor, token_logprobs: torch.Tensor, top) -> Sampled:
+    """Ids [N] and their logprobs [N] in one device-to-host copy (float64 holds both exactly)."""
+    both = torch.stack([chosen.double(), token_logprobs.double()]).tolist()  # [2, N]
+    return Sampled([int(token) for token in both[0]], both[1], top)
 
 
 def _filtered(params) -> bool:
@@ -91,43 +111,40 @@ def _sample_with_kernel(logits: torch.Tensor, requests: list[Request], kernels) 
     top = None
     if any(p.top_logprobs for p in params):
         top = _top_alternatives(logits * inv_temp[:, None], normalizer[:, None], params)
-    return Sampled(chosen.tolist(), token_logprobs.tolist(), top)
+    return _to_host(chosen, token_logprobs, top)
 
 
 def _sample_rows(logprobs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Filter ([n, V] log-probs) by top-k, top-p, min-p, then invert the CDF."""
     params = [r.sampling for r in requests]
+    device = logprobs.device
     filtered = logprobs
     if any(p.top_k > 0 for p in params):
         filtered = _apply_top_k(filtered, [p.top_k for p in params])
     if any(p.top_p < 1.0 for p in params):
         filtered = _apply_top_p(filtered, [p.top_p for p in params])
     if any(p.min_p > 0 for p in params):
-        threshold = torch.tensor([p.min_p for p in params]).log()  # [n]
+        threshold = _on(device, [p.min_p for p in params]).log()  # [n]
         best = filtered.max(dim=-1, keepdim=True).values
         filtered = filtered.masked_fill(filtered < best + threshold[:, None], float("-inf"))
     probs = filtered.exp_() if filtered is not logprobs else filtered.exp()  # unnormalized when filtered
     cdf = torch.cumsum(probs, dim=-1)  # [n, V]
-    draws = torch.tensor(
-        [uniform_for(r.seed, r.sample_index, r.num_tokens) for r in requests], dtype=cdf.dtype
-    )
+    draws = _on(device, [uniform_for(r.seed, r.sample_index, r.num_tokens) for r in requests], cdf.dtype)  # [n]
     target = draws[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, target, right=True)[:, 0]
     picked = picked.clamp_(max=cdf.shape[-1] - 1)
-    # never land on a filtered-out token (possible only at float edges)
-    dead = probs.gather(1, picked[:, None])[:, 0] == 0
-    if dead.any():
-        picked[dead] = probs[dead].argmax(dim=-1)
-    return picked
+    # never land on a filtered-out token (possible only at float edges); no host round trip to ask whether
+    dead = probs.gather(1, picked[:, None])[:, 0] == 0  # [n]
+    return torch.where(dead, probs.argmax(dim=-1), picked)
 
 
 def _apply_top_k(logprobs: torch.Tensor, ks: list[int]) -> torch.Tensor:
     vocab = logprobs.shape[-1]
     k_max = min(max(ks), vocab)
     top = torch.topk(logprobs, k_max, dim=-1).values  # [n, k_max]
-    index = torch.tensor([(min(k, vocab) if k > 0 else k_max) - 1 for k in ks])
+    index = _on(logprobs.device, [(min(k, vocab) if k > 0 else k_max) - 1 for k in ks], torch.long)
     kth = top.gather(1, index[:, None])  # [n, 1]
-    keep_all = torch.tensor([k == 0 for k in ks])[:, None]
+    keep_all = _on(logprobs.device, [k == 0 for k in ks], torch.bool)[:, None]
     return logprobs.masked_fill((logprobs < kth) & ~keep_all, float("-inf"))
 
 
@@ -136,7 +153,7 @@ def _apply_top_p(logprobs: torch.Tensor, ps: list[float]) -> torch.Tensor:
     sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
     probs = torch.softmax(sorted_lp, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, V]
-    drop_sorted = mass_before >= torch.tensor(ps)[:, None]
+    drop_sorted = mass_before >= _on(logprobs.device, ps, probs.dtype)[:, None]
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
     return logprobs.masked_fill(drop, float("-inf"))
