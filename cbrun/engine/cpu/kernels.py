@@ -94,21 +94,23 @@ def cpu_flags() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def _digest(compiler: str) -> str:
+def _digest(compiler: str, extra_flags: tuple[str, ...] = ()) -> str:
     """Names the build: every source and header, the flags, the compiler, the CPU and the platform."""
     content = hashlib.sha256()
     for path in sorted([*_sources(), *_SOURCES.glob("*.h")]):
         content.update(path.name.encode() + path.read_bytes())
     content.update(" ".join(_FLAGS).encode() + sys.platform.encode())
     content.update(_compiler_version(compiler).encode() + cpu_flags().encode())
+    if extra_flags:  # none: the default build's name, as before
+        content.update(b"\0extra\0" + "\0".join(extra_flags).encode())
     return content.hexdigest()[:16]
 
 
-def _compile(compiler: str, sources: list[Path], target: Path) -> None:
+def _compile(compiler: str, sources: list[Path], target: Path, extra_flags: tuple[str, ...] = ()) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", str(built), "-lm"], check=True,
+        subprocess.run([compiler, *_FLAGS, *extra_flags, *map(str, sources), "-o", str(built), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(built, target)  # atomic: concurrent builders never see half a file
 
@@ -347,6 +349,18 @@ def _optional_ptr(tensor: torch.Tensor | None) -> int | None:
 
 def _ptr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
+
+
+def build_kernels(defines: tuple[str, ...] = ()) -> CpuKernels:
+    """The kernels built with extra `-D` definitions (such as "CBRUN_VEC_WIDTH=16", which forces the linear
+    kernels' vector width: tests), cached beside the default build under a name that includes them. Raises
+    where the library cannot be built; load_cpu_kernels() is what the engine uses."""
+    compiler = _compiler()
+    flags = tuple(f"-D{define}" for define in defines)
+    target = _cache_root() / f"cbrun_cpu-{_digest(compiler, flags)}.so"
+    if not target.exists():
+        _compile(compiler, _sources(), target, flags)
+    return CpuKernels(ctypes.CDLL(str(target)))
 
 
 def load_cpu_kernels() -> CpuKernels | None:

@@ -11,19 +11,22 @@
  * kernels with M), so a request's numbers would depend on its neighbours.
  *
  * The weights stay in their [N, K] layout (fp32 or bf16) and are read once
- * per block of rows, in tiles of TILE_NR = 6 rows that stay in L1 (bf16 tiles
- * are widened to fp32 into a per-thread buffer first, which is exact). x is
- * the small operand, so it is the one packed: copied k-major into panels of 16
- * rows (xp[p][k][16], bf16 widened), the last panel padded with zero rows. A
- * panel times a weight tile is the outer-product kernel of panel.h: per k, the
- * lanes of two vectors are 16 rows, each lane its own chain. A panel holding
- * at most 8 real rows runs only its first vector (the lanes are independent,
- * so nothing changes for the rows it holds). Rows are taken in blocks of at
- * most BLOCK_BYTES of packed x, so the panels of a block stay in L2 while
- * every weight tile passes them.
+ * per block of rows, in tiles of TILE_NR rows (6, or 10 with AVX-512: panel.h)
+ * that stay in L1 (bf16 tiles are widened to fp32 into a per-thread buffer
+ * first, which is exact). x is the small operand, so it is the one packed:
+ * copied k-major into panels of 16 rows (xp[p][k][16], bf16 widened), the last
+ * panel padded with zero rows. A step of rows times a weight tile is the
+ * outer-product kernel of panel.h: per k, the lanes of two vectors of VEC lanes
+ * (vec.h: 16 with AVX-512, else 8) are STEP = 2 * VEC rows, one panel or two,
+ * each lane its own chain. A step holding at most VEC real rows runs only its
+ * first vector (the lanes are independent, so nothing changes for the rows it
+ * holds). Neither the width nor the step changes a chain, so every width
+ * gives the same bits. Rows are taken in blocks of at most BLOCK_BYTES of
+ * packed x, so the panels of a block stay in L2 while every weight tile
+ * passes them.
  *
  * Weights come from memory on every call (a model's weights do not fit in
- * cache), so while a tile's first panel runs, the tile LIN_PF ahead is
+ * cache), so while a tile's first step runs, the tile LIN_PF ahead is
  * prefetched into L2 a line at a time (see prefetch_line).
  *
  * Edge tiles repeat their last weight row (the extra outputs are not stored),
@@ -111,22 +114,24 @@ static inline void tile_as_f32(const void* const* rows, int w_bf16, int64_t K, f
     const uint16_t* src = rows[j];
     float* dst = buffer + j * K;
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) store_f32(dst + k, load_bf16(src + k));
+    for (; k + VEC <= K; k += VEC) storeN_f32(dst + k, loadN_bf16(src + k));
     for (; k < K; ++k) dst[k] = bf16_to_f32(src[k]);
     out[j] = dst;
   }
 }
 
-/* One weight tile against the panels [p0, p1) of x, handing each block to emit. */
+/* One weight tile against the panels [p0, p1) of x, a step (STEP_PANELS panels) at a time, handing each
+ * block of products to emit. */
 static inline __attribute__((always_inline)) void tile_times_panels(const float* xp, int64_t p0, int64_t p1,
                                                                     int64_t M, int64_t K, const float* const* w,
                                                                     const float* const* next, emit_fn emit,
                                                                     const tile_target* target) {
   tile_block out = {{0}};
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t real = M - p * PANEL < PANEL ? M - p * PANEL : PANEL;
+  for (int64_t p = p0; p < p1; p += STEP_PANELS) {
+    int64_t real = M - p * PANEL < STEP ? M - p * PANEL : STEP;
+    real = real < (p1 - p) * PANEL ? real : (p1 - p) * PANEL; /* a step never runs past its block */
     const float* const* ahead = p == p0 ? next : 0;
-    if (real <= PANEL / 2) panel_dots_half(xp + p * PANEL * K, w, ahead, K, out);
+    if (real <= VEC) panel_dots_half(xp + p * PANEL * K, w, ahead, K, out);
     else panel_dots(xp + p * PANEL * K, w, ahead, K, out);
     emit(target, p * PANEL, (int)real, out);
   }
@@ -139,6 +144,7 @@ static int run_tiles(const void* x, int64_t ldx, int x_bf16, int w_bf16, int64_t
   const int64_t panels = (M + PANEL - 1) / PANEL;
   int64_t block = BLOCK_BYTES / (PANEL * K * (int64_t)sizeof(float));
   block = block < 2 ? 2 : block;
+  block -= block % STEP_PANELS; /* whole steps: only the last panel of x ever runs alone */
   int failed = 0;
   _Pragma("omp parallel num_threads(threads)") {
     pack_panels(x, ldx, x_bf16, M, K, xp, omp_get_thread_num(), omp_get_num_threads());
@@ -224,6 +230,12 @@ int linear_rows(const void* x, int64_t ldx, int x_bf16, int count, const void* c
 
 int linear_max_segments(void) { return MAX_SEGMENTS; }
 
+/* The build's vector width (VEC fp32 lanes: 16 with AVX-512F, else 8) and rows per packed panel: callers
+ * size `xp` as ceil(M / linear_panel_rows()) * linear_panel_rows() * K floats. */
+int linear_vec_width(void) { return VEC; }
+
+int linear_panel_rows(void) { return PANEL; }
+
 /* The weights of a gated_silu call. */
 typedef struct {
   const void *wg, *wu, *bg, *bu;
@@ -255,17 +267,17 @@ static void gated_tile(const void* call, int64_t t, const void* rows[TILE_NR], t
   *target = (tile_target){c->y, c->ldy, n, cols, c->y_bf16, c->w_bf16, bg, bu};
 }
 
-/* silu(g) * u for 8 lanes: g / (1 + exp(-g)) * u, as torch computes silu. */
-static inline v8f silu_mul8(v8f g, v8f u) { return g / (splat(1.f) + exp8(-g)) * u; }
+/* silu(g) * u lane by lane: g / (1 + exp(-g)) * u, as torch computes silu (the same bits at either width). */
+static inline vNf silu_mulN(vNf g, vNf u) { return g / (splatN(1.f) + expN(-g)) * u; }
 
 static void emit_gated(const tile_target* target, int64_t m, int count, tile_block out) {
   for (int j = 0; j < target->cols; ++j) {
     const float bg = target->bias ? element(target->bias, j, target->bias_bf16) : 0.f;
     const float bu = target->up_bias ? element(target->up_bias, j, target->bias_bf16) : 0.f;
-    for (int half = 0; half < PANEL; half += 8) {
-      const v8f g = load_f32(out[j] + half) + splat(bg);
-      const v8f u = load_f32(out[GATED_COLS + j] + half) + splat(bu);
-      store_f32(out[j] + half, silu_mul8(g, u));
+    for (int i = 0; i < count; i += VEC) { /* the vectors holding real rows */
+      const vNf g = loadN_f32(out[j] + i) + splatN(bg);
+      const vNf u = loadN_f32(out[GATED_COLS + j] + i) + splatN(bu);
+      storeN_f32(out[j] + i, silu_mulN(g, u));
     }
   }
   for (int i = 0; i < count; ++i)

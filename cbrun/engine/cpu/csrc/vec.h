@@ -1,5 +1,8 @@
 /* Vector helpers shared by the CPU kernels (GCC/Clang vector extensions: the
- * compiler emits AVX2, AVX-512 or NEON as the build machine allows). */
+ * compiler emits AVX2, AVX-512 or NEON as the build machine allows).
+ *
+ * v8f (8 fp32 lanes, 32 bytes) and its helpers serve every kernel. v16f (64 bytes)
+ * and the vNf names below give linear.c the CPU's own width, VEC lanes: see the end. */
 #ifndef CBRUN_VEC_H
 #define CBRUN_VEC_H
 
@@ -30,32 +33,39 @@ static inline float hsum(v8f x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
-/* lane-wise max without the vector ?: (C++ only in GCC): blend through the comparison mask */
-static inline v8f vmax(v8f a, v8f b) {
-  v8i take_a = a > b;
-  return (v8f)(((v8i)a & take_a) | ((v8i)b & ~take_a));
-}
+/* Lane-wise max and min without the vector ?: (C++ only in GCC): blend through the comparison mask.
+ * A macro, so that every width gets the same operations (V: the float vector, I: its int32 twin). */
+#define DEFINE_MAX_MIN(MAX, MIN, V, I)                                     \
+  static inline V MAX(V a, V b) {                                          \
+    I take_a = a > b;                                                      \
+    return (V)(((I)a & take_a) | ((I)b & ~take_a));                        \
+  }                                                                        \
+  static inline V MIN(V a, V b) { return -MAX(-a, -b); }
 
-static inline v8f vmin(v8f a, v8f b) { return -vmax(-a, -b); }
+/* exp(x) lane by lane, relative error about 2e-7 (Cephes expf polynomial). One text for every width,
+ * so a lane gets the same bits from exp8 and exp16 (each lane runs the same operations in the same
+ * order; the compiler contracts the same products into FMAs at either width). */
+#define DEFINE_EXP(NAME, V, I, SPLAT, MAX, MIN)                             \
+  static inline V NAME(V x) {                                               \
+    x = MAX(x, SPLAT(-87.33654f));                                          \
+    x = MIN(x, SPLAT(88.3762626f));                                         \
+    const V magic = SPLAT(12582912.0f); /* 1.5 * 2^23: round to nearest */  \
+    V n = (x * SPLAT(1.44269504088896341f) + magic) - magic;                \
+    V r = x - n * SPLAT(0.693359375f);                                      \
+    r = r - n * SPLAT(-2.12194440e-4f);                                     \
+    V p = SPLAT(1.9875691500e-4f);                                          \
+    p = p * r + SPLAT(1.3981999507e-3f);                                    \
+    p = p * r + SPLAT(8.3334519073e-3f);                                    \
+    p = p * r + SPLAT(4.1665795894e-2f);                                    \
+    p = p * r + SPLAT(1.6666665459e-1f);                                    \
+    p = p * r + SPLAT(5.0000001201e-1f);                                    \
+    p = p * r * r + r + SPLAT(1.0f);                                        \
+    I bits = (__builtin_convertvector(n, I) + 127) << 23;                   \
+    return p * (V)bits;                                                     \
+  }
 
-/* exp(x) for 8 lanes, relative error about 2e-7 (Cephes expf polynomial). */
-static inline v8f exp8(v8f x) {
-  x = vmax(x, splat(-87.33654f));
-  x = vmin(x, splat(88.3762626f));
-  const v8f magic = splat(12582912.0f); /* 1.5 * 2^23: round to nearest */
-  v8f n = (x * splat(1.44269504088896341f) + magic) - magic;
-  v8f r = x - n * splat(0.693359375f);
-  r = r - n * splat(-2.12194440e-4f);
-  v8f p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  return p * (v8f)bits;
-}
+DEFINE_MAX_MIN(vmax, vmin, v8f, v8i)
+DEFINE_EXP(exp8, v8f, v8i, splat, vmax, vmin) /* exp(x) for 8 lanes */
 
 static inline float max_of(v8f x) {
   float m = x[0];
@@ -87,6 +97,69 @@ static inline void store_bf16(uint16_t* p, v8f x) {
 #define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 #else
 #define KEEP_IN_REGISTER(v) ((void)0)
+#endif
+
+/* 16 lanes (64 bytes): one zmm register where the compiler targets AVX-512F. Elsewhere the compiler
+ * splits every operation into two 32-byte halves (two ymm on AVX2), lane for lane the same arithmetic. */
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__AVX512F__)
+/* "AVX512F vector return changes the ABI": only between separately built objects, and these are static inline */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef float v16f_mem __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t v16h_mem __attribute__((vector_size(32), aligned(2), may_alias));
+
+static inline v16f splat16(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline v16f load16_f32(const float* p) { return *(const v16f_mem*)p; }
+
+static inline v16f load16_bf16(const uint16_t* p) {
+  v16u wide = __builtin_convertvector(*(const v16h_mem*)p, v16u) << 16;
+  return (v16f)wide;
+}
+
+static inline void store16_f32(float* p, v16f x) { *(v16f_mem*)p = x; }
+
+DEFINE_MAX_MIN(vmax16, vmin16, v16f, v16i)
+DEFINE_EXP(exp16, v16f, v16i, splat16, vmax16, vmin16) /* exp(x) for 16 lanes, the same bits per lane as exp8 */
+
+/* VEC: the fp32 lanes of linear.c's vectors, vNf, chosen at compile time (the library is built per machine):
+ * 16 where the compiler targets AVX-512F, 8 otherwise. -DCBRUN_VEC_WIDTH=8 or 16 forces one, for tests: a
+ * 16-wide build on AVX2 is the same C, each vector two ymm halves (the "portable twin" of the AVX-512 build).
+ * Every lane computes what it computes at the other width, so the width never changes an output. */
+#ifndef CBRUN_VEC_WIDTH
+#if defined(__AVX512F__)
+#define CBRUN_VEC_WIDTH 16
+#else
+#define CBRUN_VEC_WIDTH 8
+#endif
+#endif
+#define VEC CBRUN_VEC_WIDTH
+
+#if VEC == 16
+typedef v16f vNf;
+static inline vNf splatN(float x) { return splat16(x); }
+static inline vNf loadN_f32(const float* p) { return load16_f32(p); }
+static inline vNf loadN_bf16(const uint16_t* p) { return load16_bf16(p); }
+static inline void storeN_f32(float* p, vNf x) { store16_f32(p, x); }
+static inline vNf expN(vNf x) { return exp16(x); }
+#if defined(__AVX512F__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KEEP_IN_REGISTER_N(v) __asm__("" : "+v"(v)) /* any of the 32 zmm registers */
+#else
+#define KEEP_IN_REGISTER_N(v) ((void)0) /* two halves: no single register to name */
+#endif
+#elif VEC == 8
+typedef v8f vNf;
+static inline vNf splatN(float x) { return splat(x); }
+static inline vNf loadN_f32(const float* p) { return load_f32(p); }
+static inline vNf loadN_bf16(const uint16_t* p) { return load_bf16(p); }
+static inline void storeN_f32(float* p, vNf x) { store_f32(p, x); }
+static inline vNf expN(vNf x) { return exp8(x); }
+#define KEEP_IN_REGISTER_N(v) KEEP_IN_REGISTER(v)
+#else
+#error "CBRUN_VEC_WIDTH must be 8 or 16"
 #endif
 
 #endif
