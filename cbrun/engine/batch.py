@@ -17,7 +17,7 @@ SDPA per sequence.
 `PagedBatch` is the one typed object the attention function receives each
 step (through the model's **kwargs), tensors only; everything it needs per
 layer is built here once per step, not per layer. Its tensors are made on
-the host and reach an accelerator in one copy (device_copy.py).
+the host and reach an accelerator in one copy per dtype (device_copy.py).
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ with a message naming the field, never deep inside a forward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, get_args
 
 SchedulerName = Literal["fifo", "prefill-first"]
 BackendName = Literal["auto", "cpu", "triton", "torch"]
-BACKEND_NAMES: tuple[str, ...] = ("auto", "cpu", "triton", "torch")
+BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
 
 
 class ConfigError(ValueError):

@@ -4,11 +4,13 @@ The batch builder makes every index tensor of a step (token ids, positions,
 slots, block tables, kv ranges, the backend's row plan) on the host. Sent
 one by one, each small tensor would be its own host-to-device transfer, and
 a copy from pageable memory makes the host wait for the device's queue: a
-synchronisation per tensor per step. Here the int64 tensors are laid end to
-end in one pinned buffer, sent with one asynchronous copy, and replaced by
-views of the device copy. The torch reference path's masks and biases (bool
-and fp32) go the same way, one pinned copy per dtype. On the CPU nothing
-moves.
+synchronisation per tensor per step. Here the tensors of each dtype (int64
+indices; the Triton plan's int32 blocks; the torch reference path's bool
+masks and fp32 biases) are laid end to end in one pinned buffer, sent with
+one asynchronous copy, and replaced by views of the device copy. Each view
+starts on a 128-byte boundary: Triton compiles a kernel variant per
+alignment of its pointer arguments, so offsets that drift from step to step
+would recompile it. On the CPU nothing moves.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+ALIGN_BYTES = 128  # where each tensor starts in the shared buffer (Triton specializes on pointer alignment)
 
 
 def to_device(batch, device: torch.device):
@@ -53,17 +57,16 @@ def _send(tensors: list[torch.Tensor], device: torch.device) -> dict[int, torch.
             moved[id(tensor)] = tensor  # placeholder: each tensor once
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for dtype, group in by_dtype.items():
-        total = sum(t.numel() for t in group)
-        host = torch.empty(total, dtype=dtype, pin_memory=torch.cuda.is_available())  # [total]
-        offset = 0
+        align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())  # elements per 128 bytes
+        offsets = [0]
         for tensor in group:
+            offsets.append(offsets[-1] + -(-tensor.numel() // align) * align)
+        host = torch.empty(offsets[-1], dtype=dtype, pin_memory=device.type == "cuda")  # [total]
+        for tensor, offset in zip(group, offsets):
             host[offset: offset + tensor.numel()].copy_(tensor.reshape(-1))
-            offset += tensor.numel()
         remote = host.to(device, non_blocking=True)  # [total]
-        offset = 0
-        for tensor in group:
+        for tensor, offset in zip(group, offsets):
             moved[id(tensor)] = remote[offset: offset + tensor.numel()].view(tensor.shape)
-            offset += tensor.numel()
     return moved
 
 

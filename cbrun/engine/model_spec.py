@@ -21,6 +21,8 @@ class ModelSpec:
     vocab_size: int
     max_context: int
     eos_token_ids: frozenset[int]
+    num_heads: int = 0  # query heads (G = num_heads // kv.num_kv_heads per kv head)
+    softcaps_attention: bool = False  # scores capped as c * tanh(s / c) (Gemma 2): the kernels do not cap
 
     @property
     def has_full_layers(self) -> bool:
@@ -52,7 +54,15 @@ def read_model_spec(model, tokenizer) -> ModelSpec:
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_context=int(getattr(config, "max_position_embeddings", 0) or 1 << 30),
         eos_token_ids=_eos_ids(model, tokenizer),
+        num_heads=num_heads,
+        softcaps_attention=_softcaps_attention(config),
     )
+
+
+def _softcaps_attention(config) -> bool:
+    """Whether the model soft-caps its attention scores (Gemma 2's attn_logit_softcapping)."""
+    configs = (config, getattr(config, "text_config", None))
+    return any(getattr(c, "attn_logit_softcapping", None) for c in configs if c is not None)
 
 
 def _layer_groups(config) -> tuple[tuple[str, ...], int | None]:

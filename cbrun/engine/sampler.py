@@ -12,7 +12,7 @@ the same numbers whatever else is in the batch and however it was scheduled.
 On an accelerator everything runs on the logits' device: the per-row
 parameters go over in one asynchronous copy each, nothing waits on a value
 mid-way, and the chosen ids and their logprobs come back in one copy at the
-end (the step's one device-to-host transfer).
+end (top-k alternatives, when asked for, add one more).
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def sample(logits: torch.Tensor, requests: list[Request], kernels=None) -> Sampl
 def _on(device: torch.device, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A host list as a tensor on `device`, sent without making the host wait for the device."""
     host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
+    if device.type != "cuda":  # pinned memory is CUDA's; elsewhere a plain copy
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 

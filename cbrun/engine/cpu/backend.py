@@ -49,9 +49,8 @@ class CpuBackend(TorchBackend):
         self.linears = install_kernel_linears(model, self.kernels)
         self.fused_layers = install_fused_layers(model, self.kernels)
         kv = spec.kv
-        group = model.config.num_attention_heads // kv.num_kv_heads
-        self.attends_rows = not _softcaps_attention(model.config) and \
-            self.kernels.supports_attention(kv.dtype, group, kv.head_dim)
+        self.attends_rows = not spec.softcaps_attention and \
+            self.kernels.supports_attention(kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim)
 
     def close(self) -> None:
         uninstall_linears(self.linears)
@@ -89,9 +88,3 @@ class CpuBackend(TorchBackend):
         attention = "compiled" if self.attends_rows else "torch"
         return (f"cpu (compiled kernels; {len(self.linears)} linears, {len(self.fused_layers)} fused layers, "
                 f"{attention} attention)")
-
-
-def _softcaps_attention(config) -> bool:
-    """Whether the model soft-caps its attention scores (Gemma 2's attn_logit_softcapping)."""
-    configs = (config, getattr(config, "text_config", None))
-    return any(getattr(c, "attn_logit_softcapping", None) for c in configs if c is not None)

@@ -5,18 +5,21 @@ so its memory and time grow with batch x longest context. Here every query
 token of a step is a row attended over its own keys straight from the pools
 (triton_attention.py), decodes and prefill chunks alike; the rows are cut
 into query blocks once per step on the host (the blocks travel with the
-step's other index tensors in one copy, device_copy.py) and shared by every
-layer. Linear layers stay torch's (cuBLAS); K/V writes are one index_copy
-per pool; sampling runs on the device (sampler.py) with one copy back per
-step.
+step's other index tensors, one asynchronous copy per dtype, device_copy.py)
+and shared by every layer. Linear layers stay torch's (cuBLAS); K/V writes
+are one index_copy per pool; sampling runs on the device (sampler.py) with
+one copy back per step.
 
+At install the kernel is run once on a small problem and compared with the
+torch reference; where it cannot compile or disagrees (an old GPU, a dtype
+it does not take), attention stays on the torch path and the log says why.
 Under TRITON_INTERPRET=1 the same backend runs on CPU tensors, slowly: that
 is how CI checks it without a GPU.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 
 import torch
 
@@ -24,17 +27,22 @@ from cbrun.engine import torch_attention
 from cbrun.engine.backend import TorchBackend
 from cbrun.engine.model_spec import ModelSpec
 
+log = logging.getLogger("cbrun.engine")
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
 def triton_usable(device: torch.device) -> bool | str:
     """True when the Triton kernels can run on `device`, else why not."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not (device.type == "cpu" and interpreted):
+    from cbrun.engine.cuda import triton_attention
+
+    if device.type not in ("cuda", "cpu"):
         return f"the model is on {device}, and Triton runs on CUDA (or on CPU under TRITON_INTERPRET=1)"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not triton_attention.triton_importable():
         return "triton is not installed (it ships with CUDA builds of torch)"
+    if device.type == "cpu" and not triton_attention.interpret_mode():
+        return "the model is on the CPU, where Triton runs only under its interpreter (TRITON_INTERPRET=1)"
     return True
 
 
@@ -47,17 +55,24 @@ class CudaBackend(TorchBackend):
         self.device = device
         self.attends_rows = False
         self.block_rows = 1
+        self.why_not = ""  # why attention stays on the torch path, when it does
 
     def install(self, model, spec: ModelSpec) -> None:
         """Decide whether the kernel covers the model's attention, and how many rows a program takes."""
-        config = model.config
-        configs = (config, getattr(config, "text_config", None))
-        softcaps = any(getattr(c, "attn_logit_softcapping", None) for c in configs if c is not None)
-        group = config.num_attention_heads // spec.kv.num_kv_heads
-        self.attends_rows = not softcaps
         from cbrun.engine.cuda.triton_attention import default_block_rows
 
+        kv = spec.kv
+        group = spec.num_heads // kv.num_kv_heads
         self.block_rows = default_block_rows(group)
+        if spec.softcaps_attention:
+            self.why_not = "the model soft-caps attention scores, which the kernel does not"
+        elif kv.dtype not in KERNEL_DTYPES:
+            self.why_not = f"the kernel takes fp32, bf16 and fp16 caches, not {kv.dtype}"
+        else:
+            self.why_not = _probe(self.device, kv.dtype, spec.num_heads, kv.num_kv_heads, kv.head_dim)
+        self.attends_rows = not self.why_not
+        if self.why_not:
+            log.warning("Triton attention off (%s): the torch attention runs instead", self.why_not)
 
     def plan_rows(self, seqs, page_size: int, windowed: bool) -> tuple:
         """(query blocks [NB, 2] int32: first row and row count of consecutive rows of one sequence, the
@@ -82,5 +97,27 @@ class CudaBackend(TorchBackend):
                                rows.kv_len, rows.kv_lo, scale, query_blocks=blocks, block_rows=block_rows)
 
     def describe(self) -> str:
-        attention = "Triton paged attention" if self.attends_rows else "torch attention"
+        attention = "Triton paged attention" if self.attends_rows else f"torch attention: {self.why_not}"
         return f"triton ({attention} on {self.device}, {self.block_rows} rows per query block)"
+
+
+def _probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> str:
+    """"" when the kernel compiles here and matches the torch reference on a small step, else why not."""
+    from cbrun.engine.cuda.triton_attention import paged_attention, reference_paged_attention
+
+    generator = torch.Generator().manual_seed(0)
+    page, blocks = 16, 6
+    pools = [torch.randn(kv_heads, blocks, page, dim, generator=generator).to(device, dtype) for _ in range(2)]
+    q = torch.randn(3, heads, dim, generator=generator).to(device, dtype)  # [R, H, D]: a decode and a 2-token chunk
+    as_long = dict(dtype=torch.long, device=device)
+    args = (q, *pools, torch.tensor([[4, 1, 0], [2, 5, 3]], **as_long), torch.tensor([0, 1, 1], **as_long),
+            torch.zeros(2, **as_long), torch.tensor([37, 20, 21], **as_long), torch.zeros(3, **as_long), dim ** -0.5)
+    try:
+        got = paged_attention(*args)
+    except Exception as exc:  # no compiler for this GPU, too little shared memory, an old Triton
+        return f"the kernel failed on this device: {type(exc).__name__}: {exc}"
+    expected = reference_paged_attention(*args)
+    error = (got.float() - expected.float()).abs().max().item()
+    if not error <= _PROBE_TOLERANCE[dtype]:
+        return f"the kernel differs from the torch reference by {error:.3g} on a probe"
+    return ""

@@ -24,7 +24,7 @@ accumulates in fp32 with an online softmax (exp2 with log2(e) folded into the sc
 
 Block sizes: block_rows defaults to 64 // G, so a prefill program's M = rows x heads is about 64 (each K/V
 tile then feeds 64 query vectors while the [64, D] fp32 accumulator still fits in registers); decode
-programs have one row, M = max(16, G). Keys go in tiles of BLOCK_N = 64 (32 when D > 128); D is padded to
+programs have one row, M = max(16, next_pow2(G)). Keys go in tiles of BLOCK_N = 64 (32 when D > 128); D is padded to
 a power of two >= 16 and masked, so any head dim works (64, 80, 96, 128, ...).
 
 Triton is optional: this module imports without it (the CPU engine never needs it); triton is
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-# Imported on first use (`_load_triton`), so importing this module never loads triton: the CPU engine never
+# Imported on first use (`triton_importable`), so importing this module never loads triton: the CPU engine never
 # needs it. Module globals, not locals, because the interpreter looks `tl` up among the kernel's globals.
 triton: Any = None
 tl: Any = None
@@ -55,10 +55,10 @@ LOG2E = 1.4426950408889634
 
 def triton_available() -> bool:
     """Triton imports and can run: a CUDA device, or the CPU interpreter (TRITON_INTERPRET=1)."""
-    return _load_triton() and (torch.cuda.is_available() or _interpret_mode())
+    return triton_importable() and (torch.cuda.is_available() or interpret_mode())
 
 
-def _load_triton() -> bool:
+def triton_importable() -> bool:
     """Import triton into this module's globals; False when it is not installed."""
     global triton, tl
     try:
@@ -69,10 +69,10 @@ def _load_triton() -> bool:
     return True
 
 
-def _interpret_mode() -> bool:
+def interpret_mode() -> bool:
     """Triton's own reading of TRITON_INTERPRET (what `triton.jit` obeys when it decorates); the variable
     itself on Triton releases without `triton.knobs`."""
-    if not _load_triton():
+    if not triton_importable():
         return False
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
@@ -121,7 +121,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     (default `default_block_rows(G)`), e.g. 1 for a decode-only step so M is max(16, G) and not 64; blocks
     longer than it still come out right (the program walks them in pieces), shorter ones waste padded M.
     """
-    kernel = _kernel(_interpret_mode())
+    kernel = _kernel(interpret_mode())
     num_rows, num_heads, head_dim = q.shape
     num_kv, _, page, pool_dim = k_pool.shape
     _check_shapes(q, k_pool, v_pool, num_kv, pool_dim)
@@ -174,7 +174,7 @@ def _dot_options(dtype: torch.dtype) -> dict[str, Any]:
     """fp32 dots in full precision (not tf32). Triton's interpreter does no bf16 arithmetic (it stores bf16 as
     uint16 and tl.dot multiplies the bits, triton-lang/triton#11584), so there bf16 dot operands are widened
     to fp32 first: exact, and p is still rounded to bf16 as on the GPU. Only casts then touch bf16."""
-    upcast = dtype == torch.bfloat16 and _interpret_mode()
+    upcast = dtype == torch.bfloat16 and interpret_mode()
     return dict(PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", DOT_UPCAST=upcast)
 
 
@@ -197,9 +197,11 @@ def _tile_sizes(group: int, block_rows: int, head_dim: int) -> dict[str, int]:
 @functools.cache
 def _kernel(interpret: bool) -> Callable[..., Any]:
     """The jitted kernel, decorated on first use. `interpret` only keys the cache: triton.jit reads the mode."""
-    if not _load_triton():
+    if not triton_importable():
         raise RuntimeError("paged_attention needs triton (pip install triton) and a CUDA device or TRITON_INTERPRET=1")
-    return triton.jit(_paged_attention_kernel)
+    # the table's row stride (max_pages) changes every step: specializing on it (divisible by 16 or not)
+    # would compile a kernel per value; the index pointers are 128-byte aligned by device_copy.py anyway
+    return triton.jit(_paged_attention_kernel, do_not_specialize=["stride_ts"])
 
 
 def _paged_attention_kernel(
@@ -305,5 +307,7 @@ __all__ = [
     "paged_attention",
     "plan_query_blocks",
     "reference_paged_attention",
+    "interpret_mode",
     "triton_available",
+    "triton_importable",
 ]

@@ -1,0 +1,1 @@
+"""The CPU backend: compiled C kernels (built per machine), kernel linears, fused decoder layers."""
