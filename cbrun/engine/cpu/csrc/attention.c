@@ -47,7 +47,9 @@
 #include "vec.h"
 
 #define MAX_GD 4096 /* G * D per (row, kv head) */
-#define SEG 64      /* keys scored per online-softmax segment */
+#ifndef SEG
+#define SEG 128 /* keys per online-softmax segment: fewer, longer segments measured faster than 64 (fewer rescales) */
+#endif
 #define MAX_G 64    /* query heads per kv head */
 
 /* A dot product with one key row (for the keys left over from whole score blocks): one accumulator
