@@ -32,6 +32,7 @@ from cbrun.engine.scoring import ScoredRows, score_logits
 
 log = logging.getLogger("cbrun.engine")
 
+
 class BackendUnavailable(RuntimeError):
     """The backend asked for cannot run here (no compiler, no Triton, wrong device); the message says why."""
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from cbrun.engine import torch_attention
 from cbrun.engine.backend import TorchBackend
 from cbrun.engine.cpu.attention_tasks import plan_tasks
 from cbrun.engine.cpu.fused_layers import install_fused_layers
@@ -39,7 +38,6 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
-        self.segment = kernels.segment  # keys per online-softmax segment (shared keys come in whole segments)
         self.attends_rows = False
         self.linears: list[torch.nn.Linear] = []
         self.fused_layers: list[torch.nn.Module] = []
@@ -59,7 +57,7 @@ class CpuBackend(TorchBackend):
 
     def plan_rows(self, seqs, page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
         """The kernel's tasks (rows [R], start [T + 1], shared keys [T]): rows sharing leading pages together."""
-        return plan_tasks(seqs, page_size, self.segment, windowed)
+        return plan_tasks(seqs, page_size, self.kernels.segment, windowed)  # shared keys in whole segments
 
     def write_kv(self, k_pool, v_pool, key, value, slots) -> None:
         self.kernels.write_kv(k_pool, key, slots)
@@ -68,7 +66,7 @@ class CpuBackend(TorchBackend):
     def attend_rows(self, query, k_pool, v_pool, rows, scale: float, softcap: float | None) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
         if not self.attends_rows or softcap:
-            return torch_attention.decode(query, k_pool, v_pool, rows.per_row(), scale, softcap)
+            return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
         return self.kernels.attend(query.transpose(0, 1).contiguous(), k_pool, v_pool, rows.tables, rows.row_seq,
                                    rows.first_page, rows.kv_len, rows.kv_lo, rows.plan, scale)
 

@@ -23,7 +23,6 @@ import logging
 
 import torch
 
-from cbrun.engine import torch_attention
 from cbrun.engine.backend import TorchBackend
 from cbrun.engine.model_spec import ModelSpec
 
@@ -89,7 +88,7 @@ class CudaBackend(TorchBackend):
     def attend_rows(self, query, k_pool, v_pool, rows, scale: float, softcap: float | None) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
         if not self.attends_rows or softcap:
-            return torch_attention.decode(query, k_pool, v_pool, rows.per_row(), scale, softcap)
+            return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
         from cbrun.engine.cuda.triton_attention import paged_attention
 
         blocks, block_rows = rows.plan
