@@ -132,6 +132,32 @@ def test_a_query_gets_the_same_bits_as_decode_chunk_token_and_shared_prefix_row(
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_large_shared_task_gives_each_row_its_bits_alone(dtype):
+    """A task with more rows than the kernel takes through a shared segment at once (16 query heads per
+    kv head: 3 rows a pass) gives every row the bits it gets alone, the last partial pass included."""
+    k_pool, v_pool = _pools(dtype, num_kv=1, blocks=60, seed=7)
+    heads, dim, count = 16, 16, 11
+    shared_pages = list(range(16))  # 256 keys: two whole segments
+    seqs = [SequenceRows(i, 256 + 3 * i, 1, shared_pages + [16 + 2 * i, 17 + 2 * i], 0) for i in range(count)]
+    lengths = [s.start + 1 for s in seqs]
+    q = torch.randn(count, heads, dim, generator=torch.Generator().manual_seed(8)).to(dtype)
+    page = k_pool.shape[2]
+    tables = torch.tensor([s.table for s in seqs])
+    args = (tables, torch.arange(count), torch.zeros(count, dtype=torch.long), torch.tensor(lengths),
+            torch.zeros(count, dtype=torch.long))
+    one_task = plan_tasks(seqs, page, kernels.segment, False, max_rows=count)
+    assert one_task[1].tolist() == [0, count] and int(one_task[2][0]) == 256
+    crowd = kernels.attend(q, k_pool, v_pool, *args, one_task, 0.25)
+    for i, seq in enumerate(seqs):
+        alone, _ = _attend(q[i: i + 1].contiguous(), k_pool, v_pool, [SequenceRows(0, seq.start, 1, seq.table, 0)],
+                           [lengths[i]])
+        assert torch.equal(alone[0], crowd[i]), i
+        reference = _reference(q[i], k_pool, v_pool, seq.table, lengths[i], 0.25)
+        assert torch.allclose(crowd[i].float(), reference, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sliding_window_rows_are_the_same_in_a_chunk_and_alone(dtype):
     k_pool, v_pool = _pools(dtype, seed=3)
     table = list(range(10))

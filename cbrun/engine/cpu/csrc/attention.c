@@ -24,13 +24,16 @@
  * its recompute after a soft reset, and a row attending a shared prefix with
  * a hundred others all give the same bits. Rows sharing leading blocks
  * (a common system prompt, n samples of one prompt, the tokens of one chunk)
- * run as one task: the shared segments are read once per task and stay in
- * cache while every row of the task goes through them ("cascade" attention
- * without a second kernel or a merge step).
+ * run as one task: each page piece of a shared segment is scored, and later
+ * summed, for the task's rows one after another while it sits in L1 (in passes
+ * of as many rows as keep their scores in L1 too), so shared keys come from
+ * memory once per task ("cascade" attention without a second kernel or a
+ * merge step).
  *
  * Work is split over (task, kv head) pairs. Within a segment each page piece
  * is scored for the G = H / H_kv query heads while it sits in L1, in register
- * blocks of 3 heads x 4 keys that load every key vector once; then one
+ * blocks of 3 heads x 4 keys that load every key vector once (the heads' query
+ * vectors held in registers, so loads stay fewer than FMAs); then one
  * softmax update per head; then each piece's values are added for all heads,
  * in blocks of 3 heads x 32 dims that load every value vector once. Runs of
  * adjacent pages are left to the hardware prefetcher; a segment on pages that
@@ -147,12 +150,18 @@ static inline v8f reduce4(const v8f* a) {
       v8f a[HB][KB];                                                                                    \
       for (int g = 0; g < hb; ++g)                                                                      \
         for (int i = 0; i < KB; ++i) a[g][i] = splat(0.f);                                              \
-      for (int64_t c = 0; c < C; ++c)                                                                   \
+      for (int64_t c = 0; c < C; ++c) {                                                                 \
+        v8f qc[HB]; /* in registers: with q as a memory operand of each FMA, loads outnumber FMAs */    \
+        for (int g = 0; g < hb; ++g) {                                                                  \
+          qc[g] = q[g * C + c];                                                                         \
+          KEEP_IN_REGISTER(qc[g]);                                                                      \
+        }                                                                                               \
         for (int i = 0; i < KB; ++i) {                                                                  \
           v8f key = LOADV(keys + (j + i) * C * 8 + c * 8);                                              \
           KEEP_IN_REGISTER(key);                                                                        \
-          for (int g = 0; g < hb; ++g) a[g][i] += q[g * C + c] * key;                                   \
+          for (int g = 0; g < hb; ++g) a[g][i] += qc[g] * key;                                          \
         }                                                                                               \
+      }                                                                                                 \
       for (int g = 0; g < hb; ++g) {                                                                    \
         const v8f sums = reduce4(a[g]);                                                                 \
         for (int i = 0; i < KB; ++i) s[g * SEG + j + i] = sums[i];                                      \
@@ -234,6 +243,45 @@ typedef struct {
 DEFINE_SEGMENT(f32, float)
 DEFINE_SEGMENT(bf16, uint16_t)
 
+/* The shared segment [start, start + SEG) for `count` rows at once: the same three phases as
+ * attend_segment for each row, with the loops turned so that each page piece (P keys, a few KiB) is
+ * scored, and later summed, for every row while it sits in L1, instead of the whole segment's keys
+ * and values (2 * SEG * D elements, more than L1) passing once per row. Each row's arithmetic and
+ * order are attend_segment's, so its bits are too. `scores` holds count * G * SEG floats. */
+#define DEFINE_SHARED_SEGMENT(SUFFIX, T)                                                                 \
+  static inline __attribute__((always_inline)) void attend_shared_segment_##SUFFIX(                     \
+      const row_state* st, int64_t count, const T* k, const T* v, const int64_t* table, int64_t start,   \
+      int64_t G, int64_t D, int64_t P, float* scores) {                                                  \
+    const int64_t C = D / 8, n = SEG;                                                                    \
+    for (int64_t pos = start; pos < start + n;) {                                                        \
+      const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
+      const T* keys = k + pool_row(table, 0, pos, P) * D;                                                \
+      for (int64_t i = 0; i < count; ++i) {                                                              \
+        float* s = scores + i * G * SEG + (pos - start);                                                 \
+        FOR_HEAD_BLOCKS(G, score_piece_##SUFFIX(st[i].qf + g0 * C, hb_, keys, cnt, C, s + g0 * SEG))     \
+      }                                                                                                  \
+      pos += cnt;                                                                                        \
+    }                                                                                                    \
+    for (int64_t i = 0; i < count; ++i)                                                                  \
+      for (int64_t g = 0; g < G; ++g) {                                                                  \
+        const float correction = online_softmax(scores + (i * G + g) * SEG, n, st[i].m + g, st[i].l + g); \
+        if (correction != 1.f)                                                                           \
+          for (int64_t c = 0; c < C; ++c) st[i].acc[g * C + c] *= splat(correction);                     \
+      }                                                                                                  \
+    for (int64_t pos = start; pos < start + n;) {                                                        \
+      const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
+      const T* vals = v + pool_row(table, 0, pos, P) * D;                                                \
+      for (int64_t i = 0; i < count; ++i) {                                                              \
+        const float* p = scores + i * G * SEG + (pos - start);                                           \
+        FOR_HEAD_BLOCKS(G, value_piece_##SUFFIX(st[i].acc + g0 * C, hb_, p + g0 * SEG, vals, cnt, C))    \
+      }                                                                                                  \
+      pos += cnt;                                                                                        \
+    }                                                                                                    \
+  }
+
+DEFINE_SHARED_SEGMENT(f32, float)
+DEFINE_SHARED_SEGMENT(bf16, uint16_t)
+
 /* Start of the segment after the one holding `pos`: segments end at multiples of SEG (absolute
  * positions), so a query's segments depend on its own key range alone, never on the batch. */
 static inline int64_t segment_end(int64_t pos, int64_t hi) {
@@ -278,6 +326,15 @@ static int valid_tasks(const int64_t* tables, int64_t max_pages, const int64_t* 
   return ok;
 }
 
+/* Rows of a task that go through a shared segment together: as many as keep their scores
+ * (G * SEG floats each) within SHARED_SCORE_BYTES, so the scores stay in L1 beside a page piece. */
+#define SHARED_SCORE_BYTES (24 << 10)
+static inline int64_t shared_block(int64_t G, int64_t count) {
+  int64_t block = SHARED_SCORE_BYTES / (G * SEG * (int64_t)sizeof(float));
+  block = block < 1 ? 1 : block;
+  return block < count ? block : count;
+}
+
 /* One task for one kv head: its rows attend the shared keys [0, shared) together, a segment at a time
  * for every row (the segment stays in cache), then each row its own keys [max(lo, shared), hi). Every
  * row goes through the same segments and arithmetic as it would alone. */
@@ -289,11 +346,16 @@ static int valid_tasks(const int64_t* tables, int64_t max_pages, const int64_t* 
                                   int64_t count, int64_t shared, int64_t h) {                             \
     const int64_t C = D / 8;                                                                             \
     float scores[MAX_G * SEG] __attribute__((aligned(32)));                                              \
+    const int64_t block = shared ? shared_block(G, count) : 1;                                           \
     v8f* vectors = aligned_alloc(32, sizeof(v8f) * 2 * G * C * count);                                   \
     float* stats = malloc(sizeof(float) * 2 * G * count);                                                \
-    if (!vectors || !stats) {                                                                            \
+    row_state* states = malloc(sizeof(row_state) * count);                                               \
+    float* shared_scores = shared ? aligned_alloc(32, sizeof(float) * block * G * SEG) : 0;              \
+    if (!vectors || !stats || !states || (shared && !shared_scores)) {                                   \
       free(vectors);                                                                                     \
       free(stats);                                                                                       \
+      free(states);                                                                                      \
+      free(shared_scores);                                                                               \
       return -1;                                                                                         \
     }                                                                                                    \
     for (int64_t i = 0; i < count; ++i) {                                                                \
@@ -308,14 +370,15 @@ static int valid_tasks(const int64_t* tables, int64_t max_pages, const int64_t* 
     _Pragma("GCC diagnostic push")                                                                       \
     _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")                                          \
     const int64_t lead = row_seq[rows[0]];                                                               \
+    for (int64_t i = 0; i < count; ++i)                                                                  \
+      states[i] = (row_state){vectors + 2 * i * G * C, vectors + (2 * i + 1) * G * C, stats + 2 * i * G,  \
+                              stats + (2 * i + 1) * G};                                                  \
     for (int64_t start = 0; start < shared; start += SEG) {                                              \
       if (start + SEG < shared && scattered(tables + lead * max_pages, 0, start + SEG, shared, P))       \
         prefetch_chunk(k, v, tables + lead * max_pages, 0, start + SEG, shared, P, D * (int64_t)sizeof(T)); \
-      for (int64_t i = 0; i < count; ++i) {                                                              \
-        const row_state st = {vectors + 2 * i * G * C, vectors + (2 * i + 1) * G * C, stats + 2 * i * G,  \
-                              stats + (2 * i + 1) * G};                                                  \
-        attend_segment_##SUFFIX(st, k, v, tables + lead * max_pages, 0, start, SEG, G, D, P, scores);    \
-      }                                                                                                  \
+      for (int64_t i = 0; i < count; i += block) /* blocks of rows whose scores fit the scratch */       \
+        attend_shared_segment_##SUFFIX(states + i, count - i < block ? count - i : block, k, v,           \
+                                       tables + lead * max_pages, start, G, D, P, shared_scores);         \
     }                                                                                                    \
     for (int64_t i = 0; i < count; ++i) {                                                                \
       const int64_t r = rows[i], seq = row_seq[r], first = first_page[seq], hi = kv_len[r];              \
@@ -338,6 +401,8 @@ static int valid_tasks(const int64_t* tables, int64_t max_pages, const int64_t* 
     _Pragma("GCC diagnostic pop")                                                                        \
     free(vectors);                                                                                       \
     free(stats);                                                                                         \
+    free(states);                                                                                        \
+    free(shared_scores);                                                                                 \
     return 0;                                                                                            \
   }                                                                                                      \
                                                                                                          \
