@@ -133,12 +133,14 @@ static inline int scattered(const int64_t* table, int64_t first, int64_t start, 
 #define VB 4
 _Static_assert(HB == 3, "FOR_HEAD_BLOCKS has one branch per block size 1..3");
 
-/* [sum(a[0]), ..., sum(a[3])] in lanes 0..3 (lanes 4..7 repeat them). */
-static inline v8f reduce4(const v8f* a) {
+typedef float v4f __attribute__((vector_size(16)));
+
+/* [sum(a[0]), ..., sum(a[3])], each lane sum in dot_'s order ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
+static inline v4f reduce4(const v8f* a) {
   const v8f s01 = SHUFFLE(a[0], a[1], 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(a[0], a[1], 1, 3, 9, 11, 5, 7, 13, 15);
   const v8f s23 = SHUFFLE(a[2], a[3], 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(a[2], a[3], 1, 3, 9, 11, 5, 7, 13, 15);
   const v8f t = SHUFFLE(s01, s23, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(s01, s23, 1, 3, 9, 11, 5, 7, 13, 15);
-  return t + SHUFFLE(t, t, 4, 5, 6, 7, 0, 1, 2, 3);
+  return __builtin_shufflevector(t, t, 0, 1, 2, 3) + __builtin_shufflevector(t, t, 4, 5, 6, 7);
 }
 
 #define DEFINE_BLOCK_OPS(SUFFIX, T, LOADV)                                                              \
@@ -163,8 +165,8 @@ static inline v8f reduce4(const v8f* a) {
         }                                                                                               \
       }                                                                                                 \
       for (int g = 0; g < hb; ++g) {                                                                    \
-        const v8f sums = reduce4(a[g]);                                                                 \
-        for (int i = 0; i < KB; ++i) s[g * SEG + j + i] = sums[i];                                      \
+        const v4f sums = reduce4(a[g]);                                                                 \
+        memcpy(s + g * SEG + j, &sums, sizeof sums); /* one 16-byte store */                            \
       }                                                                                                 \
     }                                                                                                   \
     for (; j < n; ++j)                                                                                  \
