@@ -82,6 +82,18 @@ def test_dataset_workload_reads_prompt_messages_and_ids_and_skips_bad_rows(tmp_p
     assert limited.num_prompts == 2
 
 
+def test_distinct_prompt_tokens_count_a_shared_prefix_once(tiny_tokenizer):
+    ids = usable_token_ids(tiny_tokenizer, 512)
+    work = random_workload(ids, num_prompts=10, input_len=20, output_len=4, prefix_len=16, seed=3)
+    distinct_prefixes = {tuple(p[:i]) for p in work.prompts for i in range(1, len(p) + 1)}
+    assert work.num_distinct_prompt_tokens == len(distinct_prefixes)
+    assert work.num_distinct_prompt_tokens <= work.num_input_tokens - 9 * 16  # the prefix counted once
+    no_prefix = random_workload(ids, num_prompts=10, input_len=20, output_len=4, seed=3)
+    assert no_prefix.num_distinct_prompt_tokens == no_prefix.num_input_tokens
+    from cbrun.bench.workload import Workload
+    assert Workload([[1, 2, 3], [1, 2, 4], [1, 2, 3]], [1, 1, 1]).num_distinct_prompt_tokens == 4
+
+
 def test_percentile_interpolates():
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
@@ -124,6 +136,10 @@ def test_report_table_lines_and_json_show_the_same_figures():
     assert static["output_count_check"] != "ok" and "MISMATCH" in text
     assert vllm["status"] == "unavailable" and "vllm: unavailable: not installed" in text
     assert cbrun["compute_ceiling_fraction"] == pytest.approx((132 / 2.0) * 0.269 / 500.0)
+    # with shared prefixes, only the tokens left to compute count toward the ceiling
+    shared = build_report(config, {"device": "cpu"}, results, ceiling, checks, "float32", computed_input_tokens=40)
+    assert shared["results"][0]["compute_ceiling_fraction"] == pytest.approx((72 / 2.0) * 0.269 / 500.0)
+    assert shared["results"][0]["compute_ceiling_fraction_run_dtype"] == pytest.approx((72 / 2.0) * 0.269 / 150.0)
     for entry in (cbrun, static):
         row = next(line for line in text.splitlines() if line.startswith(f"│ {entry['engine']} "))
         cells = [c.strip() for c in row.strip("│").split("│")][1:]

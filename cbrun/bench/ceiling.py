@@ -104,9 +104,9 @@ def measure_ceiling(model, run_dtype, device: str = "cpu") -> dict:
     }
 
 
-def ceiling_fraction(total_tokens_per_s: float, ceiling: dict, dtype: str = "bfloat16") -> float | None:
-    """total tokens/s * GFLOP/token / GEMM GFLOP/s (the best rate measured in `dtype`)."""
+def ceiling_fraction(tokens_per_s: float, ceiling: dict, dtype: str = "bfloat16") -> float | None:
+    """Computed tokens/s * GFLOP/token / GEMM GFLOP/s (the best rate measured in `dtype`)."""
     rate = ceiling.get("gemm_gflops", {}).get(dtype, {}).get("best")
     if not rate:
         return None
-    return total_tokens_per_s * ceiling["gflop_per_token"] / rate
+    return tokens_per_s * ceiling["gflop_per_token"] / rate

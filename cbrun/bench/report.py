@@ -75,10 +75,15 @@ def _cpu_flags() -> set[str]:
 
 
 def build_report(config: dict, machine: dict, results: list[PeerResult], ceiling: dict | None,
-                 checks: dict[str, str | None], run_dtype: str) -> dict:
-    """The JSON document: config, machine, compute ceiling, one entry per engine, cbrun's engine statistics."""
+                 checks: dict[str, str | None], run_dtype: str, computed_input_tokens: int | None = None) -> dict:
+    """The JSON document: config, machine, compute ceiling, one entry per engine, cbrun's engine statistics.
+
+    The compute-ceiling fractions count `computed_input_tokens` (the prompt tokens left once shared
+    prefixes are computed once: Workload.num_distinct_prompt_tokens) plus the output tokens, so a
+    workload whose prompts share a prefix is not credited with work no engine does; without it,
+    every input token counts."""
     cbrun = next((r for r in results if r.engine == "cbrun" and r.ok), None)
-    entries = [_entry(r, cbrun, ceiling, checks.get(r.engine), run_dtype) for r in results]
+    entries = [_entry(r, cbrun, ceiling, checks.get(r.engine), run_dtype, computed_input_tokens) for r in results]
     return {
         "config": config,
         "machine": machine,
@@ -88,11 +93,14 @@ def build_report(config: dict, machine: dict, results: list[PeerResult], ceiling
     }
 
 
-def _entry(r: PeerResult, cbrun: PeerResult | None, ceiling: dict | None, check: str | None, run_dtype: str) -> dict:
+def _entry(r: PeerResult, cbrun: PeerResult | None, ceiling: dict | None, check: str | None, run_dtype: str,
+           computed_input_tokens: int | None) -> dict:
     entry = {"engine": r.engine, "status": r.status, "reason": r.reason}
     if not r.ok:
         return entry
     ratio = r.output_tokens_per_s / cbrun.output_tokens_per_s if cbrun and cbrun.output_tokens_per_s else None
+    computed = r.num_input_tokens if computed_input_tokens is None else computed_input_tokens
+    computed_per_s = (computed + r.num_output_tokens) / r.wall_s if r.wall_s > 0 else 0.0
     entry.update(
         wall_s=r.wall_s,
         num_requests=r.num_requests,
@@ -105,8 +113,9 @@ def _entry(r: PeerResult, cbrun: PeerResult | None, ceiling: dict | None, check:
         ttft_p50_s=r.ttft_percentile(50),
         ttft_p99_s=r.ttft_percentile(99),
         ratio_to_cbrun=ratio,
-        compute_ceiling_fraction=ceiling_fraction(r.total_tokens_per_s, ceiling) if ceiling else None,
-        compute_ceiling_fraction_run_dtype=ceiling_fraction(r.total_tokens_per_s, ceiling, run_dtype) if ceiling else None,
+        computed_tokens_per_s=computed_per_s,
+        compute_ceiling_fraction=ceiling_fraction(computed_per_s, ceiling) if ceiling else None,
+        compute_ceiling_fraction_run_dtype=ceiling_fraction(computed_per_s, ceiling, run_dtype) if ceiling else None,
         output_count_check=check or "ok",
         notes=r.notes,
         details=r.details,

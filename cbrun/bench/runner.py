@@ -26,7 +26,8 @@ def run_bench(engines: list[str], ctx: PeerContext, workload: Workload, warmup: 
         ctx.progress.message("[bench] measuring the GEMM rate")
         ceiling = measure_ceiling(ctx.model, ctx.dtype, ctx.device)
     run_dtype = str(ctx.dtype).removeprefix("torch.")
-    return build_report(config, machine_info(ctx.device), results, ceiling, checks, run_dtype)
+    return build_report(config, machine_info(ctx.device), results, ceiling, checks, run_dtype,
+                        workload.num_distinct_prompt_tokens)
 
 
 def _run_one(name: str, ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:

@@ -43,6 +43,23 @@ class Workload:
         return sum(len(p) for p in self.prompts)
 
     @property
+    def num_distinct_prompt_tokens(self) -> int:
+        """Prompt tokens left to compute when every shared prefix is computed once (the prompts' trie
+        size): what an engine with ideal prefix caching prefills. A shared system prompt or a
+        --prefix-len prefix counts once, not once per prompt."""
+        root: dict = {}
+        count = 0
+        for prompt in self.prompts:
+            node = root
+            for token in prompt:
+                child = node.get(token)
+                if child is None:
+                    child = node[token] = {}
+                    count += 1
+                node = child
+        return count
+
+    @property
     def max_output_tokens(self) -> int:
         """Output tokens if every request runs to its length (exact when ignore_eos)."""
         return self.n * sum(self.output_lens)
