@@ -81,13 +81,18 @@ class DecodeLayout:
     bias: torch.Tensor | None = None  # [B, 1, max_pages * page] 0 or -inf, fp32 (torch path)
     row_seq: torch.Tensor | None = None  # [B] table of each row (kernel form)
     plan: tuple = ()  # the backend's plan of the rows: tensors and sizes (kernel form; see Backend.plan_rows)
+    # the torch form of a kernel-form layout, made by the first layer that needs it (not an init field,
+    # so a device copy of the layout starts without the host's)
+    _per_row: DecodeLayout | None = field(default=None, init=False, repr=False, compare=False)
 
     def per_row(self) -> DecodeLayout:
-        """The torch form's addressing: one table per row (the kernel form's, expanded)."""
+        """The torch form's addressing: one table per row (the kernel form's, expanded), made once per step."""
         if self.row_seq is None:
             return self
-        return DecodeLayout(self.tables.index_select(0, self.row_seq), self.kv_len, self.kv_lo,
-                            self.first_page.index_select(0, self.row_seq))
+        if self._per_row is None:
+            self._per_row = DecodeLayout(self.tables.index_select(0, self.row_seq), self.kv_len, self.kv_lo,
+                                         self.first_page.index_select(0, self.row_seq))
+        return self._per_row
 
 
 HOST_ONLY = {"device_copy": False}  # a PagedBatch field that stays as it is (device_copy.py)
@@ -197,7 +202,6 @@ class BatchBuilder:
         """Block tables and visible key ranges for every row-wise query token."""
         if self.backend.attends_rows:
             return self._kernel_layout(items, tables, window)
-        page = self.page_size
         max_pages = max(len(table) for table, _ in tables)
         padded, firsts, lengths = [], [], []
         for (request, count), (table, first) in zip(items, tables):
@@ -208,19 +212,13 @@ class BatchBuilder:
                 lengths.append(pos + 1)  # causal: keys up to and including this token
         lows = [max(0, n - window) if window is not None else 0 for n in lengths]
         as_long = dict(dtype=torch.long)
-        layout = DecodeLayout(
+        # pages and bias are derived from these where the step runs, once (torch_attention.decode)
+        return DecodeLayout(
             tables=torch.tensor(padded, **as_long),
             kv_len=torch.tensor(lengths, **as_long),
             kv_lo=torch.tensor(lows, **as_long),
             first_page=torch.tensor(firsts, **as_long),
         )
-        offsets = torch.arange(max_pages * page, **as_long)  # [L]
-        key_pos = layout.first_page[:, None] * page + offsets[None, :]  # [B, L]
-        valid = (key_pos < layout.kv_len[:, None]) & (key_pos >= layout.kv_lo[:, None])
-        bias = torch.zeros(valid.shape, dtype=torch.float32)
-        layout.bias = bias.masked_fill_(~valid, float("-inf"))[:, None, :]  # [B, 1, L]
-        layout.pages = layout.tables.view(-1)
-        return layout
 
     def _kernel_layout(self, items, tables, window: int | None) -> DecodeLayout:
         """The kernel form: a table per sequence, each token a row of it, and the rows' tasks."""

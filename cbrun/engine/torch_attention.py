@@ -29,7 +29,7 @@ def decode(q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float,
     num_heads, batch, dim = q.shape
     num_kv, _, page, _ = k_pool.shape
     group = num_heads // num_kv
-    if layout.pages is None:  # built for the compiled kernel: derive the torch path's gather and bias once
+    if layout.pages is None:  # the first layer of the step derives the gather and the bias, the others reuse them
         _add_torch_addresses(layout, page)
     keys = k_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)  # [H_kv, B, L, D]
     values = v_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)
@@ -42,7 +42,8 @@ def decode(q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float,
 
 
 def _add_torch_addresses(layout: DecodeLayout, page: int) -> None:
-    """Fill `layout.pages` and `layout.bias` from the kernel's tables (same rule as the batch builder)."""
+    """Fill `layout.pages` and `layout.bias` [B, 1, L] from the per-row tables and key ranges: keys at
+    positions in [kv_lo, kv_len) get 0, the rest (padding pages included) -inf."""
     offsets = torch.arange(layout.tables.shape[1] * page, device=layout.tables.device)  # [L]
     key_pos = layout.first_page[:, None] * page + offsets[None, :]  # [B, L]
     valid = (key_pos < layout.kv_len[:, None]) & (key_pos >= layout.kv_lo[:, None])
