@@ -2,7 +2,8 @@
 
 Every query token of a step is a row with its own key range (csrc/attention.c).
 Rows that share leading blocks run as one task: the shared keys are read once
-per task and stay in cache while each of its rows goes through them. Two kinds
+per task, each page of them passing through all of the task's rows while it
+sits in L1. Two kinds
 of rows share:
 
 - the tokens of one prefill chunk (all of the chunk's cached context, and the
