@@ -214,50 +214,21 @@ typedef struct {
   float *m, *l;  /* [G] each */
 } row_state;
 
-/* Keys [start, start + n) of one sequence (pages through `table`, table[0] is logical page `first`) for
- * one row: each page piece is scored for all heads while it is in L1, then one softmax update per head,
- * then each piece's values are added for all heads. `scores` is scratch for G * SEG floats. */
+/* Keys [start, start + n) of one segment of a sequence (pages through `table`, table[0] is logical page
+ * `first`) for `count` rows that all see them (one row, or the rows of a task over a shared segment):
+ * each page piece is scored for every row and head while it sits in L1, then one softmax update per
+ * row and head, then each piece's values are added for every row and head. A row's arithmetic and
+ * order do not depend on `count`, so it gets the same bits alone or with others; with many rows, the
+ * segment's keys and values (2 * SEG * D elements, more than L1) come from memory once, not once per
+ * row. `scores` is scratch for count * G * SEG floats. */
 #define DEFINE_SEGMENT(SUFFIX, T)                                                                        \
   static inline __attribute__((always_inline)) void attend_segment_##SUFFIX(                            \
-      row_state st, const T* k, const T* v, const int64_t* table, int64_t first, int64_t start,          \
-      int64_t n, int64_t G, int64_t D, int64_t P, float* scores) {                                       \
+      const row_state* st, int64_t count, const T* k, const T* v, const int64_t* table, int64_t first,   \
+      int64_t start, int64_t n, int64_t G, int64_t D, int64_t P, float* scores) {                        \
     const int64_t C = D / 8;                                                                             \
     for (int64_t pos = start; pos < start + n;) {                                                        \
       const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
       const T* keys = k + pool_row(table, first, pos, P) * D;                                            \
-      float* s = scores + (pos - start);                                                                 \
-      FOR_HEAD_BLOCKS(G, score_piece_##SUFFIX(st.qf + g0 * C, hb_, keys, cnt, C, s + g0 * SEG))          \
-      pos += cnt;                                                                                        \
-    }                                                                                                    \
-    for (int64_t g = 0; g < G; ++g) {                                                                    \
-      const float correction = online_softmax(scores + g * SEG, n, st.m + g, st.l + g);                 \
-      if (correction != 1.f)                                                                             \
-        for (int64_t c = 0; c < C; ++c) st.acc[g * C + c] *= splat(correction);                          \
-    }                                                                                                    \
-    for (int64_t pos = start; pos < start + n;) {                                                        \
-      const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
-      const T* vals = v + pool_row(table, first, pos, P) * D;                                            \
-      FOR_HEAD_BLOCKS(G, value_piece_##SUFFIX(st.acc + g0 * C, hb_, scores + g0 * SEG + (pos - start), vals, cnt, C)) \
-      pos += cnt;                                                                                        \
-    }                                                                                                    \
-  }
-
-DEFINE_SEGMENT(f32, float)
-DEFINE_SEGMENT(bf16, uint16_t)
-
-/* The shared segment [start, start + SEG) for `count` rows at once: the same three phases as
- * attend_segment for each row, with the loops turned so that each page piece (P keys, a few KiB) is
- * scored, and later summed, for every row while it sits in L1, instead of the whole segment's keys
- * and values (2 * SEG * D elements, more than L1) passing once per row. Each row's arithmetic and
- * order are attend_segment's, so its bits are too. `scores` holds count * G * SEG floats. */
-#define DEFINE_SHARED_SEGMENT(SUFFIX, T)                                                                 \
-  static inline __attribute__((always_inline)) void attend_shared_segment_##SUFFIX(                     \
-      const row_state* st, int64_t count, const T* k, const T* v, const int64_t* table, int64_t start,   \
-      int64_t G, int64_t D, int64_t P, float* scores) {                                                  \
-    const int64_t C = D / 8, n = SEG;                                                                    \
-    for (int64_t pos = start; pos < start + n;) {                                                        \
-      const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
-      const T* keys = k + pool_row(table, 0, pos, P) * D;                                                \
       for (int64_t i = 0; i < count; ++i) {                                                              \
         float* s = scores + i * G * SEG + (pos - start);                                                 \
         FOR_HEAD_BLOCKS(G, score_piece_##SUFFIX(st[i].qf + g0 * C, hb_, keys, cnt, C, s + g0 * SEG))     \
@@ -272,7 +243,7 @@ DEFINE_SEGMENT(bf16, uint16_t)
       }                                                                                                  \
     for (int64_t pos = start; pos < start + n;) {                                                        \
       const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
-      const T* vals = v + pool_row(table, 0, pos, P) * D;                                                \
+      const T* vals = v + pool_row(table, first, pos, P) * D;                                            \
       for (int64_t i = 0; i < count; ++i) {                                                              \
         const float* p = scores + i * G * SEG + (pos - start);                                           \
         FOR_HEAD_BLOCKS(G, value_piece_##SUFFIX(st[i].acc + g0 * C, hb_, p + g0 * SEG, vals, cnt, C))    \
@@ -281,8 +252,8 @@ DEFINE_SEGMENT(bf16, uint16_t)
     }                                                                                                    \
   }
 
-DEFINE_SHARED_SEGMENT(f32, float)
-DEFINE_SHARED_SEGMENT(bf16, uint16_t)
+DEFINE_SEGMENT(f32, float)
+DEFINE_SEGMENT(bf16, uint16_t)
 
 /* Start of the segment after the one holding `pos`: segments end at multiples of SEG (absolute
  * positions), so a query's segments depend on its own key range alone, never on the batch. */
@@ -338,8 +309,8 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
 }
 
 /* One task for one kv head: its rows attend the shared keys [0, shared) together, a segment at a time
- * for every row (the segment stays in cache), then each row its own keys [max(lo, shared), hi). Every
- * row goes through the same segments and arithmetic as it would alone. */
+ * for a block of rows (each page piece read once per block), then each row its own keys
+ * [max(lo, shared), hi). Every row goes through the same segments and arithmetic as it would alone. */
 #define DEFINE_TASK(SUFFIX, T, LOADV, STORE)                                                              \
   static int attend_task_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,             \
                                   int64_t max_pages, const int64_t* row_seq, const int64_t* first_page,  \
@@ -379,19 +350,18 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
       if (start + SEG < shared && scattered(tables + lead * max_pages, 0, start + SEG, shared, P))       \
         prefetch_chunk(k, v, tables + lead * max_pages, 0, start + SEG, shared, P, D * (int64_t)sizeof(T)); \
       for (int64_t i = 0; i < count; i += block) /* blocks of rows whose scores fit the scratch */       \
-        attend_shared_segment_##SUFFIX(states + i, count - i < block ? count - i : block, k, v,           \
-                                       tables + lead * max_pages, start, G, D, P, shared_scores);         \
+        attend_segment_##SUFFIX(states + i, count - i < block ? count - i : block, k, v,                  \
+                                tables + lead * max_pages, 0, start, SEG, G, D, P, shared_scores);        \
     }                                                                                                    \
     for (int64_t i = 0; i < count; ++i) {                                                                \
       const int64_t r = rows[i], seq = row_seq[r], first = first_page[seq], hi = kv_len[r];              \
       const int64_t* table = tables + seq * max_pages;                                                   \
-      const row_state st = {vectors + 2 * i * G * C, vectors + (2 * i + 1) * G * C, stats + 2 * i * G,    \
-                            stats + (2 * i + 1) * G};                                                    \
+      const row_state st = states[i];                                                                    \
       for (int64_t start = kv_lo[r] > shared ? kv_lo[r] : shared; start < hi;) {                         \
         const int64_t end = segment_end(start, hi);                                                      \
         if (end < hi && scattered(table, first, end, hi, P))                                             \
           prefetch_chunk(k, v, table, first, end, hi, P, D * (int64_t)sizeof(T));                        \
-        attend_segment_##SUFFIX(st, k, v, table, first, start, end - start, G, D, P, scores);            \
+        attend_segment_##SUFFIX(&st, 1, k, v, table, first, start, end - start, G, D, P, scores);        \
         start = end;                                                                                     \
       }                                                                                                  \
       T* o = out + (r * H + h * G) * D;                                                                  \
