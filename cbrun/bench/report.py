@@ -132,7 +132,7 @@ TABLE_COLUMNS = [  # (header, key, digits)
     ("TTFT p50 s", "ttft_p50_s", 3),
     ("TTFT p99 s", "ttft_p99_s", 3),
     ("out vs cbrun", "ratio_to_cbrun", 2),
-    ("ceiling", "compute_ceiling_fraction_run_dtype", 3),  # of the GEMM rate in the dtype the engines ran
+    ("ceiling {dtype}", "compute_ceiling_fraction_run_dtype", 3),  # of the GEMM rate in the dtype the engines ran
     ("out tokens", "num_output_tokens", 0),
 ]
 
@@ -147,9 +147,8 @@ def print_report(report: dict, file=None) -> None:
     table = Table(title="cbrun bench")
     table.add_column("engine")
     run_dtype = report["config"].get("dtype_resolved", "")
-    for header, key, _ in TABLE_COLUMNS:
-        table.add_column(f"{header} {run_dtype}" if key == "compute_ceiling_fraction_run_dtype" and run_dtype
-                         else header, justify="right")
+    for header, _, _ in TABLE_COLUMNS:
+        table.add_column(header.format(dtype=run_dtype).strip(), justify="right")
     for e in report["results"]:
         if e["status"] != "ok":
             table.add_row(e["engine"], e["status"], *[""] * (len(TABLE_COLUMNS) - 1))
