@@ -1,6 +1,6 @@
 """The continuous-batching engine: no CLI or file code lives here."""
 
-from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
+from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot, StructuredSpec
 from cbrun.engine.engine import Engine
 from cbrun.engine.model_spec import UnsupportedModelError
 from cbrun.engine.request import GenerationOutput, RequestStatus, StreamChunk
@@ -14,5 +14,6 @@ __all__ = [
     "SamplingParams",
     "StatsSnapshot",
     "StreamChunk",
+    "StructuredSpec",
     "UnsupportedModelError",
 ]

@@ -8,8 +8,9 @@ with a message naming the field, never deep inside a forward pass.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 SchedulerName = Literal["fifo", "prefill-first"]
 BackendName = Literal["auto", "cpu", "triton", "torch"]
@@ -95,6 +96,69 @@ class EngineConfig:
         )
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on what a request may generate (structured outputs).
+
+    kind: "json_schema" (value: the schema, a dict or JSON text), "json_object"
+    (any JSON object; no value), "regex" (the pattern the whole output must
+    match), "choice" (value: the allowed strings) or "grammar" (Lark or GBNF
+    text). The value is kept in a canonical form (a schema as sorted, compact
+    JSON; choices as a tuple) so equal constraints are one cache key: the
+    engine compiles each distinct spec once (engine/grammar.py). Whether the
+    schema or pattern compiles is the engine's check, since it needs the
+    tokenizer; this class checks only the shape.
+    """
+
+    kind: str
+    value: Any = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS,
+               f"structured kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        object.__setattr__(self, "value", _canonical_value(self.kind, self.value))
+
+    @classmethod
+    def from_fields(cls, **fields: Any) -> "StructuredSpec | None":
+        """The one spec given as `json_schema=...`, `regex=...`, ... (None values ignored); None if none."""
+        given = {k: v for k, v in fields.items() if v is not None and v is not False}
+        unknown = sorted(set(given) - set(STRUCTURED_KINDS))
+        _check(not unknown, f"unknown structured output field(s): {', '.join(unknown)}")
+        _check(len(given) <= 1, f"give one structured output constraint, got {', '.join(sorted(given))}")
+        if not given:
+            return None
+        kind, value = next(iter(given.items()))
+        return cls(kind, "" if kind == "json_object" else value)
+
+    def describe(self) -> str:
+        """A short label for messages and logs."""
+        text = self.value if isinstance(self.value, str) else json.dumps(list(self.value))
+        return f"{self.kind}" + (f" {text[:60]!r}" if text else "")
+
+
+def _canonical_value(kind: str, value: Any) -> Any:
+    if kind == "json_object":
+        return ""
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ConfigError(f"json_schema: not valid JSON: {exc}") from None
+        _check(isinstance(value, (dict, bool)), f"json_schema: must be a JSON object, got {type(value).__name__}")
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if kind == "choice":
+        _check(isinstance(value, (list, tuple)), f"choice: must be a list of strings, got {type(value).__name__}")
+        _check(len(value) > 0, "choice: the list of choices is empty")
+        _check(all(isinstance(c, str) and c for c in value), f"choice: every choice must be a non-empty string, got {list(value)!r}")
+        return tuple(value)
+    _check(isinstance(value, str) and value != "", f"{kind}: must be a non-empty string, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks for.
@@ -105,6 +169,12 @@ class SamplingParams:
     n > 1 produces n samples of the same prompt; sample i draws from the stream of
     (seed, i), so each sample is reproducible on its own.
     top_logprobs K > 0 returns the K most likely alternatives at each position.
+    structured: a constraint the output must satisfy (StructuredSpec, or a dict
+    such as {"json_schema": {...}}); None generates freely.
+    masked_logprobs: with a constraint, report logprobs (and top alternatives)
+    of the masked distribution the token was drawn from instead of the
+    model's own (the default, as vLLM's raw logprobs); RL importance ratios
+    need the masked one.
     """
 
     max_tokens: int = 256
@@ -118,8 +188,12 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     top_logprobs: int = 0
+    structured: StructuredSpec | None = None
+    masked_logprobs: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured, dict):
+            object.__setattr__(self, "structured", StructuredSpec.from_fields(**self.structured))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -139,6 +213,9 @@ class SamplingParams:
         _check(all(_is_int(t) for t in self.stop_token_ids), f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(_is_int(self.top_logprobs) and self.top_logprobs >= 0, f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}")
+        _check(self.structured is None or isinstance(self.structured, StructuredSpec),
+               f"structured must be a StructuredSpec or a dict, got {type(self.structured).__name__}")
+        _check(isinstance(self.masked_logprobs, bool), f"masked_logprobs must be a boolean, got {self.masked_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
