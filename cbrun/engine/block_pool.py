@@ -131,6 +131,21 @@ class BlockPool:
         self._tokens_of[block] = tuple(tokens)
         self._block_of[block_hash] = block
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (their content is stale: new weights, or memory given back).
+
+        Only when no block is in use, as vLLM does: returns False and changes
+        nothing otherwise. Cached blocks become never-used ones, lowest id first.
+        """
+        if self.num_used:
+            return False
+        for block in list(self._hash_of):
+            self._forget(block)
+        self._uninitialized.extend(self._cached)
+        self._uninitialized.sort(reverse=True)
+        self._cached.clear()
+        return True
+
     def _forget(self, block: int) -> None:
         block_hash = self._hash_of.pop(block)
         del self._tokens_of[block]

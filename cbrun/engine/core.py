@@ -27,6 +27,7 @@ from cbrun.engine.runner import ModelRunner
 from cbrun.engine.scoring import ScoredRows
 from cbrun.engine.sizing import choose_num_blocks
 from cbrun.engine.scheduler import Scheduler
+from cbrun.engine.weights import WeightStash, give_back_memory, load_into
 
 log = logging.getLogger("cbrun.engine")
 
@@ -79,6 +80,7 @@ class EngineCore:
         self.detok = Detokenizer(tokenizer)
         self._stats = StatsSnapshot(blocks_total=num_blocks)
         self._started = time.perf_counter()
+        self._stash: WeightStash | None = None  # the weights while asleep at level 2
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, config.page_size,
                  self.store.nbytes / 2**30, self.spec.kv.dtype)
 
@@ -252,6 +254,72 @@ class EngineCore:
         counter = {RequestStatus.FINISHED: "finished", RequestStatus.FAILED: "failed",
                    RequestStatus.CANCELLED: "cancelled"}[status]
         setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+
+    # -- weights and memory between rollouts ----------------------------------
+    def update_weights(self, tensors) -> int:
+        """Copy new weights (name -> tensor) into the model; returns how many. Idle engines only.
+
+        The backend is closed and installed again around the copy so that what
+        it derived from the weights is rebuilt, and the prefix cache is dropped:
+        its pages hold K/V of the old weights.
+        """
+        self._require_idle("update weights")
+        if self._stash is not None:
+            raise RuntimeError("the weights are parked by sleep(level=2); call wake_up() before updating them")
+        self.backend.close()
+        try:
+            count = load_into(self.model, tensors)
+        finally:
+            self.backend.install(self.model, self.spec)
+            self.cache.pool.reset_prefix_cache()
+        return count
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds blocks."""
+        return self.cache.pool.reset_prefix_cache()
+
+    def sleep(self, level: int = 1, weights_to=None) -> None:
+        """Give the KV pool (and swap pool) back to the OS; at level 2 the weights too, parked in
+        `weights_to` (a file, a directory, a dict) or a private temp file. Idle engines only."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}")
+        self._require_idle("sleep")
+        self.cache.pool.reset_prefix_cache()
+        self.cache.pool.touched = 0
+        self.preemptor.release()
+        self.store.release()
+        if level == 2:
+            self.backend.close()
+            self._stash = WeightStash(self.model, weights_to)
+        give_back_memory()
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether the KV pool or the weights are given away (no step can run)."""
+        return self._stash is not None or self.store.data is None
+
+    def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
+        """Bring back what `sleep` gave away: identical weights, a fresh (empty) KV pool.
+
+        Either part alone (vLLM's wake-up tags): weights first lets a trainer load
+        new ones before the cache takes its memory back.
+        """
+        if weights and self._stash is not None:
+            self._stash.restore()
+            self._stash = None
+            self.backend.install(self.model, self.spec)
+        if not kv_cache or self.store.data is not None:
+            return
+        self.store.allocate()
+        self.preemptor.reallocate()
+        if self.config.prefault_blocks:
+            prefault = min(self.config.prefault_blocks, self.store.num_blocks)
+            self.store.prefault(prefault)
+            self.cache.pool.touched = prefault
+
+    def _require_idle(self, action: str) -> None:
+        if self.scheduler.has_work():
+            raise RuntimeError(f"cannot {action} while requests are running; wait for them to finish")
 
     # -- statistics ---------------------------------------------------------
     def _record_step(self, decodes: int, seconds: float) -> None:

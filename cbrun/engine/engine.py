@@ -9,6 +9,7 @@ takes effect between steps, and the request's blocks are free when
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -22,6 +23,7 @@ from cbrun.engine.core import EngineCore, StepOutcome
 from cbrun.engine.cpu.openmp import release_caller_threads
 from cbrun.engine.request import GenerationOutput, Request, RequestStatus, ScoreSpec, StreamChunk
 from cbrun.engine.results import ResultStore
+from cbrun.engine.weights import WeightSource, read_weights
 
 log = logging.getLogger("cbrun.engine")
 
@@ -46,6 +48,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._draining = False
         self._closed = False
+        self._asleep = False  # sleep() gave the KV pool back; requests are refused until wake_up()
         self._thread = threading.Thread(target=self._loop, name="cbrun-engine", daemon=True)
         release_caller_threads()  # the loop thread's OpenMP pool must be the only one (see openmp.py)
         self._thread.start()
@@ -76,6 +79,7 @@ class Engine:
         with self._inbox_cond:  # never waits for a running step
             if self._closed or self._draining:
                 raise RuntimeError("engine is stopped; no new requests are accepted")
+            self._refuse_while_asleep()
             for index in order:
                 self._enqueue(*prepared[index])
             self._inbox_cond.notify()
@@ -180,6 +184,7 @@ class Engine:
         with self._inbox_cond:
             if self._closed or self._draining:
                 raise RuntimeError("engine is stopped; no new requests are accepted")
+            self._refuse_while_asleep()
             for group in groups:
                 if group and self._results.is_active(group[0].request_id):
                     message = f"duplicate request id {group[0].request_id!r}: a request with this id is still running"
@@ -306,6 +311,68 @@ class Engine:
     def stats(self) -> StatsSnapshot:
         with self._lock:
             return self.core.stats()
+
+    # -- weights and memory between rollouts -----------------------------------
+    def update_weights(self, weights: WeightSource) -> int:
+        """Load new weights into the running engine; returns how many tensors were written.
+
+        `weights`: a state dict (names of `model.state_dict()`, any dtype), (name, tensor)
+        pairs, a safetensors file or a checkpoint directory. The prefix cache is dropped,
+        so every later result is what a fresh engine with these weights gives, bit for bit.
+        Only between batches: raises RuntimeError while requests are queued or running.
+        """
+        tensors = read_weights(weights)  # disk reads outside the lock
+        with self._idle("update weights"):
+            return self.core.update_weights(tensors)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests hold cache blocks."""
+        with self._lock:
+            return self.core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1, weights_to=None) -> None:
+        """Give the KV cache memory back to the OS until `wake_up()`; level 2 frees the weights too.
+
+        Level 2 parks the weights in `weights_to`: a safetensors file path, a directory, or a
+        dict that receives the tensors (no copy); None writes a private temp file. Requests
+        added while asleep raise RuntimeError.
+        """
+        with self._idle("sleep"):
+            if self._asleep:
+                raise RuntimeError("engine is already asleep")
+            self.core.sleep(level, weights_to)
+            self._asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo `sleep`: the weights as they were, an empty KV pool of the same size.
+
+        tags (as vLLM's): None for both, or a subset of ("weights", "kv_cache").
+        """
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+        with self._lock, self._inbox_cond:
+            self.core.wake_up(weights=tags is None or "weights" in tags, kv_cache=tags is None or "kv_cache" in tags)
+            self._asleep = self.core.sleeping
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep
+
+    @contextlib.contextmanager
+    def _idle(self, action: str):
+        """Hold the core with no request queued, running or offloaded (else RuntimeError)."""
+        with self._lock, self._inbox_cond:
+            if self._closed:
+                raise RuntimeError(f"cannot {action}: the engine is destroyed")
+            if self._inbox or self.core.has_work():
+                raise RuntimeError(f"cannot {action} while requests are queued or running; wait for them first")
+            yield
+
+    def _refuse_while_asleep(self) -> None:
+        if self._asleep:
+            raise RuntimeError("engine is asleep (sleep() gave its memory back); call wake_up() before "
+                               "adding requests")
 
     # -- shutdown -------------------------------------------------------------
     def stop(self, hard: bool = False, timeout: float | None = None) -> None:

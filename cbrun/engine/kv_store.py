@@ -57,12 +57,22 @@ class KVStore:
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.device = device
+        self.data: torch.Tensor | None = None
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create the zeroed pools; lazily backed on CPU, so this costs no resident memory yet."""
+        shape = self.shape
         # [layers, 2, H_kv, num_blocks, page, D]
         self.data = zeros(
-            (shape.num_layers, 2, shape.num_kv_heads, num_blocks, page_size, shape.head_dim),
+            (shape.num_layers, 2, shape.num_kv_heads, self.num_blocks, self.page_size, shape.head_dim),
             shape.dtype,
-            device,
+            self.device,
         )
+
+    def release(self) -> None:
+        """Give the pools' memory back (sleep); `allocate` brings zeroed pools back."""
+        self.data = None
 
     def prefault(self, num_blocks: int) -> None:
         """Touch the memory of blocks [0, num_blocks) in every layer, K and V (the ids handed out first)."""
@@ -75,4 +85,4 @@ class KVStore:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return self.shape.bytes_per_block(self.page_size) * self.num_blocks  # also while released

@@ -48,6 +48,12 @@ class SoftResetPreemptor:
     def discard(self, request: Request) -> None:
         self.cache.free(request.key)
 
+    def release(self) -> None:
+        """Give the swap pool's memory back (sleep); nothing to give without one."""
+
+    def reallocate(self) -> None:
+        """Bring the swap pool back after `release`."""
+
 
 class CpuOffloadPreemptor(SoftResetPreemptor):
     """Preempts by copying KV pages to a preallocated CPU swap pool; falls back to soft reset.
@@ -115,6 +121,17 @@ class CpuOffloadPreemptor(SoftResetPreemptor):
     def discard(self, request: Request) -> None:
         for group in self._saved.pop(request.key, []):
             self._free_swap.extend(group.swap_blocks)
+
+    def release(self) -> None:
+        """Drop the swap pool and whatever it holds (KV computed with the weights of the time)."""
+        if self._saved:
+            raise RuntimeError("offloaded requests still hold swapped-out KV pages")
+        self._swap_blocks = self.swap.shape[3]
+        self.swap = None
+
+    def reallocate(self) -> None:
+        if self.swap is None:
+            self.swap = _zeros_like_pool(self.store, self._swap_blocks)
 
     @staticmethod
     def _copy(source, source_ids: list[int], target, target_ids: list[int]) -> None:

@@ -1,0 +1,144 @@
+"""New weights into a running model, and weights parked while the engine sleeps.
+
+`read_weights` turns what an RL trainer hands over (a state dict, (name,
+tensor) pairs as vLLM's `load_weights` takes, a checkpoint directory or a
+safetensors file) into one name -> tensor mapping. `load_into` copies it into
+the model's own tensors, converting dtype and device, after checking every
+name and shape first, so a bad update changes nothing. `WeightStash` moves
+the parameters out of the model (to a file, or to a dict the caller owns)
+and back, for a level-2 sleep.
+
+The engine core calls these with its compute backend closed, so that
+whatever the backend derived from the weights (packed copies, fused layer
+plans) is rebuilt from the new ones.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, MutableMapping
+from pathlib import Path
+
+import torch
+
+WeightSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike
+
+
+def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
+    """Name -> tensor from a mapping, (name, tensor) pairs, a safetensors file, a .bin/.pt
+    state dict, or a checkpoint directory (every *.safetensors file in it, else pytorch_model*.bin)."""
+    if isinstance(source, (str, os.PathLike)):
+        return _read_path(Path(source))
+    pairs = source.items() if isinstance(source, Mapping) else source
+    out = {}
+    for entry in pairs:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], torch.Tensor)):
+            raise TypeError("weights must map parameter names to tensors (a state dict or (name, tensor) pairs), "
+                            f"got an entry {type(entry).__name__}")
+        out[entry[0]] = entry[1]
+    return out
+
+
+def _read_path(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin file in this directory")
+        out: dict[str, torch.Tensor] = {}
+        for file in files:
+            out.update(_read_path(file))
+        return out
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    state = torch.load(str(path), map_location="cpu", weights_only=True)
+    return read_weights(state)
+
+
+def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
+    """Copy `tensors` into the model's parameters and buffers of the same names; returns how many.
+
+    Every name and shape is checked before anything is written. Names not
+    given keep their values (a partial update is allowed).
+    """
+    targets = model.state_dict(keep_vars=True)  # name -> the Parameter or buffer itself
+    unknown = [name for name in tensors if name not in targets]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise KeyError(f"not a weight of this model: {shown} (names are those of model.state_dict())")
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(targets[name].shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)} does not match the model's "
+                             f"{tuple(targets[name].shape)}")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            targets[name].copy_(value)  # converts dtype and device
+    return len(tensors)
+
+
+class WeightStash:
+    """The model's parameters while the engine sleeps at level 2: in a safetensors file, or in a dict
+    the caller named (the tensors are handed over as they are, no copy)."""
+
+    def __init__(self, model: torch.nn.Module, target: str | os.PathLike | MutableMapping | None) -> None:
+        self.model = model
+        params = dict(model.named_parameters())  # tied weights once
+        self.buffer: MutableMapping | None = None
+        self.path: Path | None = None
+        self._owns_file = False
+        if isinstance(target, MutableMapping):
+            self.buffer = target
+            for name, param in params.items():
+                target[name] = param.data
+        else:
+            self.path, self._owns_file = _stash_path(target)
+            from safetensors.torch import save_file
+
+            save_file({name: param.data.contiguous() for name, param in params.items()}, str(self.path))
+        for param in params.values():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def restore(self) -> None:
+        """Put every parameter back, bit for bit; a file this stash created is deleted."""
+        if self.buffer is not None:
+            saved = {name: self.buffer.pop(name) for name in dict(self.model.named_parameters())}
+        else:
+            from safetensors.torch import load_file
+
+            saved = load_file(str(self.path))
+        for name, param in self.model.named_parameters():
+            param.data = saved[name]
+        if self._owns_file:
+            self.path.unlink(missing_ok=True)
+
+
+def _stash_path(target: str | os.PathLike | None) -> tuple[Path, bool]:
+    """Where a level-2 sleep writes the weights: the file or directory named, else a private temp file."""
+    if target is None:
+        handle, name = tempfile.mkstemp(prefix="cbrun-weights-", suffix=".safetensors")
+        os.close(handle)
+        return Path(name), True
+    path = Path(target)
+    if path.is_dir():
+        return path / "cbrun-sleep-weights.safetensors", True
+    return path, False
+
+
+def give_back_memory() -> None:
+    """Return freed heap memory to the operating system (glibc keeps small freed blocks otherwise)."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
