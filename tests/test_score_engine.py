@@ -217,7 +217,6 @@ def test_scoring_what_generate_sampled_gives_bitwise_its_logprobs(tiny_llama_dir
         assert s.logprobs == g.logprobs  # bitwise
 
 
-@pytest.mark.slow
 def test_logprobs_equal_a_plain_forward_on_smollm2(smollm2):
     ref_model, tokenizer = smollm2
     engine_model = copy.deepcopy(ref_model)  # the engine switches its attention; keep the fixture's
