@@ -18,6 +18,7 @@ from cbrun.engine.backend import choose_backend
 from cbrun.engine.batch import BatchBuilder
 from cbrun.engine.config import EngineConfig, StatsSnapshot
 from cbrun.engine.detokenize import Detokenizer
+from cbrun.engine.grammar import GrammarCompiler, GrammarState, MaskFiller
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
 from cbrun.engine.model_spec import ModelSpec, default_device, read_model_spec
@@ -78,6 +79,8 @@ class EngineCore:
                                     self.spec.sliding_window, self.device, self.backend)
         self.runner = ModelRunner(model, self.backend)
         self.detok = Detokenizer(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, self.spec.vocab_size)  # structured outputs, one compile per spec
+        self._masks: MaskFiller | None = None  # started with the first constrained request
         self._stats = StatsSnapshot(blocks_total=num_blocks)
         self._started = time.perf_counter()
         self._stash: WeightStash | None = None  # the weights while asleep at level 2
@@ -87,6 +90,8 @@ class EngineCore:
     def close(self) -> None:
         """Give the model back as it came, apart from its attention implementation."""
         self.backend.close()
+        if self._masks is not None:
+            self._masks.close()
 
     # -- requests ---------------------------------------------------------
     def validate(self, prompt_ids: list[int], max_tokens: int) -> str | None:
@@ -120,7 +125,15 @@ class EngineCore:
                      f"{self.cache.pool.num_blocks}; raise num_blocks or shorten them")
         return error
 
+    def check_structured(self, spec) -> str | None:
+        """Why a structured-output constraint cannot be enforced, or None (compiled once per distinct spec)."""
+        return None if spec is None else self.grammars.check(spec)
+
     def add(self, request: Request) -> None:
+        spec = request.sampling.structured
+        if spec is not None and request.grammar is None and request.score is None:
+            request.grammar = GrammarState(spec, self.grammars.matcher(spec))
+            self._mask_filler().submit([request.grammar])  # the first token's mask, ready by its prefill's end
         self._stats.prompt_tokens += request.num_tokens if request.score is not None else request.num_prompt_tokens
         self.scheduler.add(request)
 
@@ -165,6 +178,8 @@ class EngineCore:
             for row, request in enumerate(batch.sampled):
                 top = picked.top[row] if picked.top is not None else None
                 self._append(request, picked.token_ids[row], picked.logprobs[row], top, outcome)
+            if self._masks is not None:  # next masks computed while the next step's forward runs
+                self._masks.submit([r.grammar for r in batch.sampled if r.grammar is not None and not r.status.is_done])
         self._record_step(batch.num_decode, time.perf_counter() - started)
         return outcome
 
@@ -218,6 +233,8 @@ class EngineCore:
     def _append(self, request: Request, token: int, logprob: float, top, outcome: StepOutcome) -> None:
         """Add a sampled token, then end the request if a stop condition holds."""
         request.all_token_ids.append(token)
+        if request.grammar is not None:
+            request.grammar.consume(token)
         request.logprobs.append(logprob)
         if request.top_logprobs is not None and top is not None:
             request.top_logprobs.append(top)
@@ -225,6 +242,11 @@ class EngineCore:
             request.first_token_time = time.perf_counter()
         self._stats.generated_tokens += 1
         reason = self._stop_reason(request, token)
+        if request.grammar is not None and request.grammar.error is not None:
+            self.scheduler.remove(request)
+            self._finish(request, RequestStatus.FAILED, "error", request.grammar.error)
+            outcome.finished.append(request)
+            return
         if request.stream:
             delta = self.detok.stream_delta(request) if reason is None else ""
             outcome.tokens.append(TokenEvent(request, token, logprob, delta))
@@ -235,6 +257,8 @@ class EngineCore:
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.sampling
+        if request.grammar is not None and request.grammar.complete:
+            return "stop"
         if token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.spec.eos_token_ids:
@@ -320,6 +344,11 @@ class EngineCore:
     def _require_idle(self, action: str) -> None:
         if self.scheduler.has_work():
             raise RuntimeError(f"cannot {action} while requests are running; wait for them to finish")
+
+    def _mask_filler(self) -> MaskFiller:
+        if self._masks is None:
+            self._masks = MaskFiller(self.spec.vocab_size)
+        return self._masks
 
     # -- statistics ---------------------------------------------------------
     def _record_step(self, decodes: int, seconds: float) -> None:

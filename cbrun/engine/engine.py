@@ -98,7 +98,7 @@ class Engine:
         if isinstance(ids, str):
             error, ids = error or ids, []
         if error is None:
-            error = self.core.validate(ids, params.max_tokens)
+            error = self.core.validate(ids, params.max_tokens) or self.core.check_structured(params.structured)
         if stream:
             self._streams.setdefault(rid, (queue.Queue(), params.n))
         return rid, ids, params, error, stream

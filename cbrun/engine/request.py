@@ -13,7 +13,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from cbrun.engine.config import SamplingParams
+
+if TYPE_CHECKING:
+    from cbrun.engine.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +66,7 @@ class GenerationOutput:
     finish_time: float | None = None
     is_greedy: bool | None = None  # scoring only
     prompt_logprobs: list[float | None] | None = None  # scoring with prompt logprobs only
+    structured_complete: bool | None = None  # with a constraint: did the output complete its grammar?
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -131,6 +137,7 @@ class Request:
     score: ScoreSpec | None = None  # set for a scoring (teacher-forced, prefill-only) request
     prompt_logprobs: list[float] | None = None  # scoring: logprob of prompt token i + 1, per position i
     is_greedy: bool = True  # scoring: every completion token so far was the argmax
+    grammar: GrammarState | None = None  # structured outputs: the matcher and next-token mask
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -259,4 +266,5 @@ class Request:
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
+            structured_complete=None if self.grammar is None else self.grammar.accepting,
         )

@@ -4,6 +4,11 @@ Reported logprobs are the fp32 log-softmax of the logits divided by the
 request's temperature (raw logits when greedy), before top-k / top-p / min-p
 filtering: the model's own distribution at that temperature.
 
+Structured outputs: a constrained row's disallowed tokens are set to -inf
+before anything else, so sampling (and greedy) only ever picks allowed
+tokens; its logprobs stay the model's (before the mask) unless the request
+sets `masked_logprobs`.
+
 Randomness is counter-based: each sampled token uses one uniform number
 derived from (seed, sample index, token position) by a 64-bit mixer and
 inverts the filtered distribution's CDF. A seeded request therefore draws
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cbrun.engine.grammar import apply_masks
 from cbrun.engine.request import Request
 
 _MASK64 = (1 << 64) - 1
@@ -56,8 +62,49 @@ def sample(logits: torch.Tensor, requests: list[Request], kernels=None) -> Sampl
     filters then go through the torch filters. Without them, full-vocabulary
     torch passes are kept few: greedy rows need an argmax and a logsumexp;
     sampled rows add one exp and one cumsum (plus a sort only for top-p).
+
+    Rows of requests with a grammar (structured outputs) first have every
+    token their grammar disallows set to -inf, in that row only (the mask is
+    the request's own, so batch invariance holds). Their logprobs are the
+    model's, before the mask, unless the request asks for `masked_logprobs`.
     """
     logits = logits.float()  # [N, V]
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not constrained:
+        return _sample(logits, requests, kernels)
+    model_rows = [i for i in constrained if not requests[i].sampling.masked_logprobs]
+    raw = logits[model_rows].clone() if model_rows else None  # [m, V] the model's logits, before the mask
+    apply_masks(logits, constrained, [requests[i].grammar.allowed_mask() for i in constrained])
+    picked = _sample(logits, requests, kernels)
+    if raw is not None:
+        _model_logprobs(picked, raw, model_rows, requests, kernels)
+    return picked
+
+
+def _model_logprobs(picked: Sampled, raw: torch.Tensor, rows: list[int], requests: list[Request], kernels) -> None:
+    """Replace the masked rows' logprobs (and alternatives) by the unmasked distribution's,
+    computed as `_sample` computes them for a free row, so a token's logprob is the same
+    whether or not its request was constrained."""
+    params = [requests[i].sampling for i in rows]
+    chosen = torch.tensor([picked.token_ids[i] for i in rows])  # [m]
+    if kernels is not None and raw.device.type == "cpu":
+        inv_temp = torch.tensor([1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params])  # [m]
+        _, normalizer = kernels.sample(raw.contiguous(), inv_temp, torch.full((len(rows),), -1.0, dtype=torch.float64))
+        values = raw.gather(1, chosen[:, None])[:, 0] * inv_temp - normalizer  # [m]
+        top = _top_alternatives(raw * inv_temp[:, None], normalizer[:, None], params)
+    else:
+        if any(p.temperature not in (0, 1) for p in params):
+            raw = raw / _on(raw.device, [p.temperature if p.temperature > 0 else 1.0 for p in params])[:, None]
+        normalizer = torch.logsumexp(raw, dim=-1, keepdim=True)  # [m, 1]
+        values = (raw.gather(1, chosen.to(raw.device)[:, None]) - normalizer)[:, 0]
+        top = _top_alternatives(raw, normalizer, params)
+    for j, value in enumerate(values.double().tolist()):
+        picked.logprobs[rows[j]] = value
+        if top is not None and picked.top is not None:
+            picked.top[rows[j]] = top[j]
+
+
+def _sample(logits: torch.Tensor, requests: list[Request], kernels) -> Sampled:
     if kernels is not None and logits.device.type == "cpu":
         return _sample_with_kernel(logits.contiguous(), requests, kernels)
     params = [r.sampling for r in requests]
