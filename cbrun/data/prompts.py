@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbrun.data.chat import ChatContentError, flatten_messages
+from cbrun.data.constraints import row_constraint
 from cbrun.data.reader import RawRow
 from cbrun.engine.config import ConfigError, SamplingParams
 
@@ -117,6 +119,12 @@ class RowPreparer:
             except (ConfigError, TypeError, ValueError) as exc:
                 return bad(f"{name}: {_strip_field(name, str(exc))}")
 
+        constraint = row_constraint(record)  # the row's own structured-output constraint overrides the job's
+        if isinstance(constraint, str):
+            return bad(constraint)
+        if constraint is not None:
+            sampling = sampling.with_(structured=constraint)
+
         source = self._prompt_source(record)
         if isinstance(source, str):
             return bad(source)
@@ -140,6 +148,11 @@ class RowPreparer:
                 return f"{name}: {_describe_bad_prompt(name, value)}"
             if kind == "text" and self.chat:
                 return "chat", name, [{"role": "user", "content": value}]
+            if kind == "chat":
+                try:
+                    value = flatten_messages(value)
+                except ChatContentError as exc:
+                    return f"{name}{exc}"
             return kind, name, value
         if self.prompt_column is not None:
             return f"{self.prompt_column}: is null"

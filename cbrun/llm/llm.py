@@ -1,0 +1,214 @@
+"""`LLM`: vLLM's offline API over cbrun's engine, for scripts (and RL loops) written against vLLM.
+
+    llm = LLM("smollm2-135m", dtype="float32", seed=0)
+    outs = llm.generate(prompts, SamplingParams(n=8, temperature=1.0, logprobs=0, max_tokens=64))
+    ...train...
+    llm.sleep()                  # the KV pool goes back to the OS while the trainer runs
+    llm.wake_up()
+    llm.update_weights(model.state_dict())   # in place; outputs now equal a fresh engine's
+
+One call runs in three passes over the same engine: the samples, the prompt
+logprobs (teacher-forced scoring of prompt[1:] after prompt[0]) and, only
+for requests sampled at a temperature other than 0 and 1 that asked for
+logprobs, a scoring pass that turns the engine's tempered logprobs into
+vLLM's raw ones (the first two passes are submitted together).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from cbrun.data.chat import flatten_messages
+from cbrun.engine import Engine, EngineConfig, GenerationOutput
+from cbrun.engine.weights import WeightSource
+from cbrun.llm.engine_args import engine_config as translate_options
+from cbrun.llm.inputs import as_prompt_list, encode_prompts, per_prompt
+from cbrun.llm.outputs import OutputBuilder, RequestOutput
+from cbrun.llm.params import SamplingParams, UnsupportedFieldError
+from cbrun.llm.progress import PromptProgress
+
+
+class LLM:
+    """An in-process engine with vLLM's offline interface.
+
+    model: a cbrun model spec (HF directory, hub id, .gguf file, alias such as "smollm2-135m").
+    tokenizer / tokenizer_revision: another tokenizer to use. dtype: "auto" (fp32 on CPU),
+    "float32", "bfloat16", "float16". seed: requests without a seed of their own draw one from
+    it, so a script gives the same samples on every run (None: fresh randomness).
+    max_model_len: cap on prompt + completion tokens. device: "auto", "cpu", "cuda".
+    engine_config: cbrun's EngineConfig to start from; vLLM's engine options (`**options`:
+    enable_prefix_caching, max_num_seqs, max_num_batched_tokens, block_size, swap_space,
+    gpu_memory_utilization, ...) are translated onto it (engine_args.py).
+    """
+
+    def __init__(self, model: str, tokenizer: str | None = None, *, dtype: Any = "auto", seed: int | None = 0,
+                 revision: str | None = None, tokenizer_revision: str | None = None,
+                 max_model_len: int | None = None, device: str = "auto",
+                 engine_config: EngineConfig | None = None, **options: Any) -> None:
+        from cbrun.models import load_model
+
+        config = translate_options(engine_config, options)  # bad options fail before the model loads
+        loaded, tok = load_model(model, dtype=dtype, device=device, revision=revision)
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(tokenizer, revision=tokenizer_revision)
+        self.engine = Engine(loaded, tok, config)
+        self.tokenizer = tok
+        self.max_model_len = min(max_model_len or self.engine.max_context, self.engine.max_context)
+        self._seeds = random.Random(seed) if seed is not None else None
+        self._ids = itertools.count()
+        self._out = OutputBuilder(tok, self.engine.core.spec.eos_token_ids)
+
+    # -- generation ------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: Any = True, lora_request: Any = None, priority: Any = None) -> list[RequestOutput]:
+        """Complete each prompt (text, {"prompt": ...}, {"prompt_token_ids": [...]}, or a list of them);
+        one RequestOutput per prompt, in input order."""
+        _refuse("lora_request", lora_request)
+        _refuse("priority", priority)
+        prompts = as_prompt_list(prompts)
+        return self._run(encode_prompts(prompts, self.tokenizer), per_prompt(sampling_params, len(prompts)),
+                         use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: Any = True, lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: Any = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to a list of conversations.
+
+        Message contents may be strings or OpenAI lists of parts (text parts are joined, media refused).
+        """
+        _refuse("lora_request", lora_request)
+        _refuse("mm_processor_kwargs", mm_processor_kwargs)
+        if chat_template_content_format not in ("auto", "string"):
+            raise UnsupportedFieldError("chat(chat_template_content_format=...) is not supported by cbrun: "
+                                        "contents are flattened to strings ('auto' or 'string')")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.tokenizer.apply_chat_template(
+            flatten_messages(list(conversation)), tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
+            **(chat_template_kwargs or {})) for conversation in conversations]
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template holds them
+        items = [(text, list(ids)) for text, ids in zip(texts, encoded)]
+        return self._run(items, per_prompt(sampling_params, len(items)), use_tqdm)
+
+    def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+             use_tqdm: Any) -> list[RequestOutput]:
+        rids = [str(next(self._ids)) for _ in items]
+        engine_params = [self._engine_params(index, ids, p) for index, ((_, ids), p) in enumerate(zip(items, params))]
+        self.engine.add_requests([ids for _, ids in items], engine_params, rids)
+        scored = {}
+        for rid, (_, ids), p in zip(rids, items, params):
+            if p.prompt_logprobs is not None and len(ids) > 1:
+                k = _count(p.prompt_logprobs, self.engine.vocab_size)
+                self.engine.add_score_request(ids[:1], [ids[1:]], f"{rid}/prompt", top_logprobs=k)
+                scored[rid] = None
+        samples = self._collect(rids, params, scored, use_tqdm)
+        raw = self._raw_logprobs(rids, items, params, samples)
+        return [self._request_output(rid, text, ids, p, samples[rid], scored.get(rid), raw)
+                for rid, (text, ids), p in zip(rids, items, params)]
+
+    def _engine_params(self, index: int, ids: list[int], params: SamplingParams):
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt {index}: {len(ids)} tokens leave no room for a completion under "
+                             f"max_model_len {self.max_model_len}")
+        seed = self._seeds.randrange(2**63) if self._seeds is not None and params.seed is None else None
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return params.to_engine(max_tokens, self.engine.vocab_size, seed)
+
+    def _collect(self, rids: list[str], params: list[SamplingParams], scored: dict, use_tqdm: Any) -> dict:
+        """Every sample of every request (and each prompt-scoring result into `scored`), as they finish."""
+        wanted = {rid: p.n for rid, p in zip(rids, params)}
+        samples: dict[str, list[GenerationOutput]] = defaultdict(list)
+        left = sum(wanted.values()) + len(scored)
+        with PromptProgress(use_tqdm, len(rids)) as progress:
+            while left:
+                out = self.engine.get_result(timeout=None)
+                left -= 1
+                if out.request_id.endswith("/prompt"):
+                    scored[out.request_id[:-len("/prompt")]] = out
+                    continue
+                samples[out.request_id].append(out)
+                if len(samples[out.request_id]) == wanted[out.request_id]:
+                    progress.advance()
+        errors = [(i, o) for i, rid in enumerate(rids) for o in samples[rid] + [scored.get(rid)]
+                  if o is not None and o.error is not None]
+        if errors:
+            index, out = errors[0]
+            raise ValueError(f"prompt {index}: {out.error}" + (f" (and {len(errors) - 1} more errors)"
+                                                               if len(errors) > 1 else ""))
+        return {rid: sorted(samples[rid], key=lambda o: o.sample_index) for rid in rids}
+
+    def _raw_logprobs(self, rids, items, params, samples) -> dict:
+        """(rid, sample) -> teacher-forced logprobs at temperature 1 for samples drawn at another
+        temperature: vLLM reports raw logprobs, the engine the tempered ones it drew from."""
+        todo = [(rid, ids, p) for rid, (_, ids), p in zip(rids, items, params)
+                if p.logprobs is not None and not p.greedy and p.temperature != 1.0]
+        for rid, ids, p in todo:
+            completions = [o.token_ids for o in samples[rid]]
+            self.engine.add_score_request(ids, completions, f"{rid}/raw", samples=[o.sample_index for o in samples[rid]],
+                                          top_logprobs=_count(p.logprobs, self.engine.vocab_size))
+        raw = {}
+        for _ in range(sum(p.n for _, _, p in todo)):
+            out = self.engine.get_result(timeout=None)
+            if out.error is not None:
+                raise ValueError(f"rescoring {out.request_id}: {out.error}")
+            raw[(out.request_id[:-len("/raw")], out.sample_index)] = out
+        return raw
+
+    def _request_output(self, rid, text, ids, params, samples, prompt_scored, raw) -> RequestOutput:
+        outputs = []
+        for out in samples:
+            again = raw.get((rid, out.sample_index))
+            outputs.append(self._out.completion(out, params, again and again.logprobs, again and again.top_logprobs))
+        prompt_logprobs = self._out.prompt_logprobs(ids, prompt_scored) if params.prompt_logprobs is not None else None
+        return RequestOutput(rid, text, list(ids), prompt_logprobs, outputs,
+                             num_cached_tokens=min((o.num_cached_tokens for o in samples), default=0))
+
+    # -- between rollouts -------------------------------------------------------
+    def update_weights(self, weights: WeightSource) -> int:
+        """Load new weights in place (a state dict in any dtype, (name, tensor) pairs, a safetensors file
+        or a checkpoint directory); cached prefixes are dropped. Returns how many tensors were written."""
+        return self.engine.update_weights(weights)
+
+    def sleep(self, level: int = 1, weights_to: Any = None) -> None:
+        """Give the KV cache back to the OS (level 1), and the weights too (level 2: parked in
+        `weights_to`, a file, directory or dict, else a temp file) until `wake_up`."""
+        self.engine.sleep(level, weights_to)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep gave away (tags: None, or "weights" and/or "kv_cache")."""
+        self.engine.wake_up(tags)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine thread and free its memory."""
+        self.engine.stop()
+        self.engine.destroy()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _count(k: int, vocab_size: int) -> int:
+    return vocab_size if k == -1 else k
+
+
+def _refuse(name: str, value: Any) -> None:
+    if value is not None:
+        raise UnsupportedFieldError(f"{name} is not supported by cbrun; leave it None")

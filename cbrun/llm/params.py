@@ -1,0 +1,140 @@
+"""vLLM's `SamplingParams`, field for field, and what it becomes for cbrun's engine.
+
+Every field vLLM's offline API takes is accepted by name. Those cbrun does
+not implement raise `UnsupportedFieldError` naming the field as soon as they
+hold anything but their neutral default; nothing is silently ignored.
+Unknown names raise TypeError, as a dataclass does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from cbrun.engine.config import SamplingParams as EngineSampling
+
+_SAMPLING_EPS = 1e-5  # vLLM: a temperature below this is greedy
+
+# field -> (neutral value, why cbrun cannot honour another)
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "best_of": (None, "cbrun has no best-of ranking; sample n and rank them yourself"),
+    "presence_penalty": (0.0, "cbrun's sampler has no repetition penalties"),
+    "frequency_penalty": (0.0, "cbrun's sampler has no repetition penalties"),
+    "repetition_penalty": (1.0, "cbrun's sampler has no repetition penalties"),
+    "min_tokens": (0, "cbrun cannot hold back EOS and stop tokens yet"),
+    "bad_words": (None, "cbrun's sampler cannot ban words"),
+    "logit_bias": (None, "cbrun's sampler has no logit bias"),
+    "allowed_token_ids": (None, "cbrun's sampler cannot restrict the vocabulary"),
+    "logits_processors": (None, "cbrun runs no user logits processors"),
+    "truncate_prompt_tokens": (None, "cbrun does not truncate prompts"),
+    "spaces_between_special_tokens": (True, "cbrun decodes with the tokenizer's default spacing"),
+    "structured_outputs": (None, "structured outputs are not in cbrun's engine yet"),
+    "guided_decoding": (None, "structured outputs are not in cbrun's engine yet"),
+    "output_kind": (None, "cbrun's LLM returns final outputs only"),
+    "extra_args": (None, "cbrun takes no extra sampling arguments"),
+}
+
+
+class UnsupportedFieldError(ValueError):
+    """A vLLM option cbrun does not implement was given a value; the message names it."""
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for text generation, as vLLM's offline API takes them.
+
+    n: samples per prompt. temperature: 0 (or below 1e-5) is greedy.
+    top_p, top_k (0 or -1: off), min_p, seed (per request; else drawn from the LLM's seed).
+    max_tokens: new tokens at most (None: up to the context length). stop: strings that end a
+    completion (cut from the text unless include_stop_str_in_output); stop_token_ids: ids that do.
+    ignore_eos: keep going past EOS. logprobs: K alternatives per generated token (0: the
+    sampled token only; -1: the whole vocabulary). prompt_logprobs: the same for every prompt
+    token (teacher-forced scoring of the prompt). detokenize, skip_special_tokens: how `text` is made.
+    Logprobs are vLLM's default kind: the log-softmax of the model's raw logits (temperature 1),
+    before any filtering.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: Any = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    output_kind: Any = None
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.best_of == self.n:
+            self.best_of = None  # vLLM's own default: best_of = n
+        for name, (neutral, why) in UNSUPPORTED.items():
+            if getattr(self, name) != neutral:
+                raise UnsupportedFieldError(f"SamplingParams.{name} is not supported by cbrun ({why}); "
+                                            f"leave it at {neutral!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(f"SamplingParams.{name} must be None, -1 (whole vocabulary) or an integer >= 0, "
+                                 f"got {value!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"SamplingParams.max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        self.to_engine(max_tokens=1, vocab_size=1)  # the engine's own checks, named by field
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def to_engine(self, max_tokens: int, vocab_size: int, seed: int | None = None) -> EngineSampling:
+        """The engine's parameters for one prompt (its max_tokens and seed decided by the caller)."""
+        return EngineSampling(
+            max_tokens=max_tokens,
+            temperature=0.0 if self.greedy else self.temperature,
+            top_k=0 if self.top_k == -1 else self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed if self.seed is not None else seed,
+            stop=tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            top_logprobs=_count(self.logprobs, vocab_size),
+        )
+
+    def clone(self) -> "SamplingParams":
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def _count(k: int | None, vocab_size: int) -> int:
+    """vLLM's logprobs count: None and 0 ask for no alternatives, -1 for the whole vocabulary."""
+    if k is None:
+        return 0
+    return vocab_size if k == -1 else k
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
