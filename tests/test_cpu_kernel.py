@@ -126,14 +126,15 @@ def test_linear_kernel_matches_f_linear(rows, out_features, in_features, with_bi
 
 
 def test_kernel_linears_install_and_uninstall():
-    from cbrun.engine.cpu.linear import install_kernel_linears, uninstall
+    from cbrun.engine.cpu.linear import install_linear_methods, uninstall
+    from cbrun.engine.cpu.linear_methods import F32
 
     torch.manual_seed(6)
     decoder = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8, bias=False))
     small, large = torch.randn(1, 5, 16), torch.randn(1, 300, 16)
     with torch.no_grad():
         expected_small, expected_large = decoder(small), decoder(large)
-        patched = install_kernel_linears(decoder, kernels)
+        patched = list(install_linear_methods(decoder, kernels, {torch.float32: F32}))
         assert len(patched) == 2 and all("forward" in m.__dict__ for m in patched)
         assert torch.allclose(decoder(small), expected_small, atol=1e-5)
         assert torch.allclose(decoder(large), expected_large, atol=1e-5)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from cbrun.engine.cpu.kernels import load_cpu_kernels
+from cbrun.engine.cpu.linear_methods import F32
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -118,7 +119,7 @@ def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, re
     with torch.inference_mode():
         inputs = [torch.randint(3, 500, (1, n)) for n in (4, 265)]
         expected = [model(ids, use_cache=False).logits for ids in inputs]
-        installed = install_fused_layers(model, spy)
+        installed = install_fused_layers(model, spy, F32)
         assert installed == list(model.model.layers)
         assert model.config._attn_implementation == "sdpa"  # the probe puts it back
         for ids, reference in zip(inputs, expected):
@@ -134,7 +135,7 @@ def test_layers_of_another_shape_are_left_alone(tiny_gemma_hybrid_dir):
     from cbrun.engine.cpu.fused_layers import install_fused_layers
 
     model = _load(tiny_gemma_hybrid_dir)
-    assert install_fused_layers(model, kernels) == []
+    assert install_fused_layers(model, kernels, F32) == []
 
 
 def test_a_layer_that_computes_something_else_fails_its_probe(tiny_llama_dir):
@@ -144,7 +145,7 @@ def test_a_layer_that_computes_something_else_fails_its_probe(tiny_llama_dir):
     model = _load(tiny_llama_dir)
     odd = model.model.layers[1].post_attention_layernorm
     odd.forward = lambda hidden: odd.weight * hidden  # no normalization
-    installed = install_fused_layers(model, kernels)
+    installed = install_fused_layers(model, kernels, F32)
     assert installed == [model.model.layers[0]]
     assert "forward" not in model.model.layers[1].__dict__
 
@@ -170,6 +171,6 @@ def test_a_model_that_cannot_switch_to_sdpa_is_not_fused(tiny_llama_dir, monkeyp
 
     monkeypatch.setattr(model, "set_attn_implementation", no_sdpa)
     before = model.config._attn_implementation
-    assert install_fused_layers(model, kernels) == []
+    assert install_fused_layers(model, kernels, F32) == []
     assert model.config._attn_implementation == before
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)

@@ -85,23 +85,24 @@ class TorchBackend:
         return self.name
 
 
-def choose_backend(model, name: str, spec: ModelSpec):
+def choose_backend(model, name: str, spec: ModelSpec, kernels: str = "portable"):
     """The backend `name` ("auto", "cpu", "torch", "triton") for the model's device, installed on the model.
 
     "auto": the compiled kernels on CPU (torch when they cannot be built),
     Triton on CUDA when it is installed (else torch). An explicit name that
-    cannot run here raises BackendUnavailable.
+    cannot run here raises BackendUnavailable. `kernels` is the CPU backend's
+    linear-method policy ("portable" or "fastest").
     """
     if name not in BACKEND_NAMES:  # EngineConfig checks too; this is for direct callers
         raise BackendUnavailable(f"unknown backend {name!r} (choose from {', '.join(BACKEND_NAMES)})")
     device = next(model.parameters()).device
-    backend = _pick(name, device)
+    backend = _pick(name, device, kernels)
     backend.install(model, spec)
     log.info("compute backend: %s", backend.describe())
     return backend
 
 
-def _pick(name: str, device: torch.device):
+def _pick(name: str, device: torch.device, policy: str):
     if name == "torch":
         return TorchBackend()
     if name in ("auto", "cpu") and device.type == "cpu":
@@ -110,7 +111,7 @@ def _pick(name: str, device: torch.device):
 
         kernels = load_cpu_kernels()
         if kernels is not None:
-            return CpuBackend(kernels)
+            return CpuBackend(kernels, policy)
         if name == "cpu":
             raise BackendUnavailable("the compiled CPU kernels could not be built or are switched off "
                                      "(CBRUN_KERNELS=torch); see the log for why")

@@ -19,8 +19,10 @@ from cbrun.engine.cpu.attention_tasks import plan_tasks
 from cbrun.engine.cpu.fused_layers import install_fused_layers
 from cbrun.engine.cpu.fused_layers import uninstall as uninstall_fused_layers
 from cbrun.engine.cpu.kernels import CpuKernels
-from cbrun.engine.cpu.linear import install_kernel_linears, kernel_can_read, kernel_linear
+from cbrun.engine.cpu.linear import install_linear_methods, linear_shapes
 from cbrun.engine.cpu.linear import uninstall as uninstall_linears
+from cbrun.engine.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.cpu.method_selector import MethodChoice, choose_linear_method
 from cbrun.engine.model_spec import ModelSpec
 from cbrun.engine.sampler import Sampled, sample
 from cbrun.engine.scoring import ScoredRows, score_logits
@@ -36,16 +38,24 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
 
-    def __init__(self, kernels: CpuKernels) -> None:
+    def __init__(self, kernels: CpuKernels, policy: str = "portable") -> None:
         self.kernels = kernels
+        self.policy = policy  # which linear methods may serve (method_selector.py)
         self.attends_rows = False
-        self.linears: list[torch.nn.Linear] = []
+        self.linears: dict[torch.nn.Linear, LayerMethod] = {}
         self.fused_layers: list[torch.nn.Module] = []
+        self.method_choices: list[MethodChoice] = []
 
     def install(self, model, spec: ModelSpec) -> None:
-        """Patch the model's linears and decoder layers; decide whether the compiled attention applies."""
-        self.linears = install_kernel_linears(model, self.kernels)
-        self.fused_layers = install_fused_layers(model, self.kernels)
+        """Choose a linear method per weight dtype (after its self-check), give every linear layer its layer
+        method and Llama-shaped decoder layers the fused forward; decide whether the compiled attention applies."""
+        self.method_choices = [choose_linear_method(self.kernels, dtype, shapes, self.policy)
+                               for dtype in (torch.float32, torch.bfloat16)
+                               if (shapes := linear_shapes(model, dtype))]
+        methods: dict[torch.dtype, LinearMethod] = {c.dtype: c.method for c in self.method_choices
+                                                    if c.method is not None}
+        self.linears = install_linear_methods(model, self.kernels, methods)
+        self.fused_layers = install_fused_layers(model, self.kernels, methods.get(torch.float32))
         kv = spec.kv
         self.attends_rows = not spec.softcaps_attention and \
             self.kernels.supports_attention(kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim)
@@ -53,7 +63,7 @@ class CpuBackend(TorchBackend):
     def close(self) -> None:
         uninstall_linears(self.linears)
         uninstall_fused_layers(self.fused_layers)
-        self.linears, self.fused_layers = [], []
+        self.linears, self.fused_layers = {}, []
 
     def plan_rows(self, seqs, page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
         """The kernel's tasks (rows [R], start [T + 1], shared keys [T]): rows sharing leading pages together."""
@@ -72,9 +82,10 @@ class CpuBackend(TorchBackend):
 
     def project(self, head: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits straight from the kernel's fp32 sums, in one order for every row count."""
-        if not kernel_can_read(head):
+        layer = self.linears.get(head)
+        if layer is None:
             return super().project(head, rows)
-        return kernel_linear(self.kernels, head.weight, head.bias, rows, torch.float32)
+        return layer(rows, torch.float32)
 
     def sample(self, logits: torch.Tensor, requests) -> Sampled:
         return sample(logits, requests, self.kernels)
@@ -84,5 +95,11 @@ class CpuBackend(TorchBackend):
 
     def describe(self) -> str:
         attention = "compiled" if self.attends_rows else "torch"
+        methods = "; ".join(c.summary() for c in self.method_choices) or "no linear layers"
         return (f"cpu (compiled kernels; {len(self.linears)} linears, {len(self.fused_layers)} fused layers, "
-                f"{attention} attention)")
+                f"{attention} attention; linear methods: {methods})")
+
+    def linear_methods(self) -> dict[str, str]:
+        """The method serving each weight dtype ("float32" -> "f32"), for run summaries and `cbrun info`."""
+        return {str(c.dtype).removeprefix("torch."): c.method.name if c.method else "none"
+                for c in self.method_choices}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cbrun.engine.cpu.linear import kernel_can_read, kernel_linear
+from cbrun.engine.cpu.linear_methods import LayerMethod, LinearMethod
 
 log = logging.getLogger("cbrun.engine")
 
@@ -68,19 +68,35 @@ class LayerPlan:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # the layer methods, made once at install: q|k|v in one pass, o, silu(gate) * up in one pass, down
+    qkv_method: LayerMethod | None = None
+    o_method: LayerMethod | None = None
+    gated_method: LayerMethod | None = None
+    down_method: LayerMethod | None = None
+
+    def make_methods(self, method: LinearMethod, kernels) -> None:
+        """Give the plan its layer methods (weights packed or read in place, as the method does)."""
+        self.qkv_method = method.make(kernels, [p.weight for p in self.qkv], [p.bias for p in self.qkv])
+        self.o_method = method.make(kernels, [self.o_proj.weight], [self.o_proj.bias])
+        self.gated_method = method.make(kernels, [self.gate.weight, self.up.weight], [self.gate.bias, self.up.bias],
+                                        gated=True)
+        self.down_method = method.make(kernels, [self.down.weight], [self.down.bias])
 
 
-def install_fused_layers(model, kernels) -> list[torch.nn.Module]:
-    """Give every decoder layer of `model` that passes its probe the fused forward; returns those layers.
+def install_fused_layers(model, kernels, method: LinearMethod | None) -> list[torch.nn.Module]:
+    """Give every decoder layer of `model` that passes its probe the fused forward, its projections
+    through layer methods of `method` (the fp32 one); returns those layers.
 
     The probe runs both forwards through SDPA attention (switched on and back
     for the probe), so any attention implementation may be set when called.
     """
     layers = getattr(getattr(model, "model", None), "layers", None)
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if kernels is None or layers is None or rotary is None:
+    if kernels is None or method is None or layers is None or rotary is None:
         return []
-    plans = [(layer, plan) for layer in layers if (plan := _plan(layer)) is not None]
+    plans = [(layer, plan) for layer in layers if (plan := _plan(layer, method)) is not None]
+    for _, plan in plans:
+        plan.make_methods(method, kernels)
     if not plans:
         return []
     previous = model.config._attn_implementation
@@ -121,10 +137,10 @@ def fused_forward(plan: LayerPlan, kernels, stock_forward, hidden_states: torch.
     normed, _ = kernels.rmsnorm(x, plan.input_norm.weight, plan.input_norm.eps)
     attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask,
                           kwargs)  # [T, H * D]
-    projected = kernel_linear(kernels, plan.o_proj.weight, plan.o_proj.bias, attended)  # [T, hidden]
+    projected = plan.o_method(attended)  # [T, hidden]
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
-    gated = kernels.gated_silu(normed, plan.gate.weight, plan.up.weight, plan.gate.bias, plan.up.bias)  # [T, I]
-    return (residual + kernel_linear(kernels, plan.down.weight, plan.down.bias, gated)).unsqueeze(0)
+    gated = plan.gated_method(normed)  # [T, I]
+    return (residual + plan.down_method(gated)).unsqueeze(0)
 
 
 def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, position_embeddings, attention_mask,
@@ -132,7 +148,7 @@ def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, positio
     """normed [T, hidden] -> attention output [T, H * D] through the model's attention function."""
     tokens = normed.shape[0]
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
-    qkv = kernels.linear_many(normed, [p.weight for p in plan.qkv], [p.bias for p in plan.qkv])  # [T, (H + 2 H_kv) D]
+    qkv = plan.qkv_method(normed)  # [T, (H + 2 H_kv) D]
     if plan.q_norm is not None:
         qkv[:, : heads * dim], _ = kernels.rmsnorm(qkv[:, : heads * dim], plan.q_norm.weight, plan.q_norm.eps)
         k_cols = slice(heads * dim, (heads + kv_heads) * dim)
@@ -174,7 +190,7 @@ def _rope_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- install-time checks ----------------------------------------------------------
 
-def _plan(layer) -> LayerPlan | None:
+def _plan(layer, method: LinearMethod) -> LayerPlan | None:
     """The layer's parts when it has exactly a Llama-style layer's structure (fp32 on CPU), else None."""
     if _children(layer) != _LAYER_PARTS:
         return None
@@ -185,7 +201,7 @@ def _plan(layer) -> LayerPlan | None:
         return None
     linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if not all(kernel_can_read(lin) for lin in linears):
+    if not all(method.reads(lin) for lin in linears):
         return None
     dim = getattr(attention, "head_dim", None)
     if not isinstance(dim, int) or dim % 2 or not hasattr(attention, "scaling") \

@@ -132,6 +132,11 @@ _SIGNATURES = {
     "rmsnorm_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _I64, _INT]),
     "rope_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _INT]),
     "silu_mul_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT]),
+    "dp_variant_runs": (_INT, [_INT]),
+    "dp_packed_size": (_I64, [_I64, _I64, _INT]),
+    "dp_pack": (_INT, [_P, _P, _I64, _I64, _INT, _P, _INT]),
+    "dp_linear": (_INT, [_P, _I64, _INT, _P, _I64, _I64, _INT, _P, _P, _P, _I64, _INT, _I64, _P, _INT, _INT]),
+    "dp_block_outputs": (_INT, []),
 }
 _SIGNATURES["paged_attend_bf16"] = _SIGNATURES["paged_attend_f32"]
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
@@ -144,6 +149,8 @@ class KernelError(RuntimeError):
 def _check(status: int, name: str) -> None:
     if status == -1:
         raise KernelError(f"{name}: arguments the kernel cannot handle")
+    if status == -3:
+        raise KernelError(f"{name}: this CPU cannot run the variant asked for")
     if status != 0:
         raise KernelError(f"{name}: out of memory")
 
@@ -160,6 +167,7 @@ class CpuKernels:
             function = getattr(library, name)
             function.restype, function.argtypes = restype, argtypes
         self._lib = library
+        self.build_name = Path(library._name).stem  # names the build: sources, flags, compiler, CPU flags
         self.attend_functions = {dtype: getattr(library, name) for dtype, name in self._ATTEND.items()}
         self.max_gd = int(library.paged_attend_max_gd())
         self.segment = int(library.paged_attend_segment())  # keys per online-softmax segment
@@ -277,6 +285,61 @@ class CpuKernels:
         scratch = getattr(self._local, "panels", None)
         if scratch is None or scratch.numel() < needed:
             scratch = self._local.panels = torch.empty(needed, dtype=torch.float32)
+        return scratch
+
+    # -- bf16 pair-dot linears (linear_dpbf16.c) --------------------------------------------------
+
+    DP_VARIANTS = {"scalar": 0, "twin": 1, "isa": 2}  # DP_SCALAR, DP_TWIN, DP_ISA
+
+    def dp_variant_runs(self, variant: str) -> bool:
+        """Whether this CPU can run the variant ("isa": the CPU reports AVX512-BF16)."""
+        return bool(self._lib.dp_variant_runs(self.DP_VARIANTS[variant]))
+
+    def dp_pack(self, weight: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 weight [N, K] (gated: gate [N, K] and up [N, K]) -> its packed blocks, flat int16."""
+        gated = up is not None
+        for w in (weight, up) if gated else (weight,):
+            if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
+                raise KernelError(f"dp_pack: weight {tuple(w.shape)} {w.dtype} is not a contiguous bf16 CPU matrix")
+        if gated and up.shape != weight.shape:
+            raise KernelError("dp_pack: gate and up weights differ in shape")
+        rows, inner = weight.shape
+        packed = torch.empty(self._lib.dp_packed_size(rows, inner, int(gated)), dtype=torch.int16)
+        status = self._lib.dp_pack(_ptr(weight), _optional_ptr(up), rows, inner, int(gated), _ptr(packed),
+                                   torch.get_num_threads())
+        _check(status, "dp_pack")
+        return packed
+
+    def dp_linear(self, x: torch.Tensor, packed: torch.Tensor, outputs: int, inner: int, variant: str,
+                  bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None, gated: bool = False,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] (bf16, or fp32 rounded to bf16) @ packed W^T (+ fp32 bias) -> [M, N] in `out_dtype`
+        (default x's); gated: silu(x @ Wg^T + bias) * (x @ Wu^T + up_bias). See linear_dpbf16.c."""
+        x = _unit_stride_rows(x)
+        rows, width = x.shape
+        if width != inner or x.dtype not in _LINEAR_DTYPES or packed.dtype != torch.int16:
+            raise KernelError(f"dp_linear: x [{rows}, {width}] {x.dtype} does not fit a packed [{outputs}, {inner}]")
+        for b in (bias, up_bias):
+            if b is not None and (b.dtype != torch.float32 or b.shape != (outputs,) or not b.is_contiguous()):
+                raise KernelError(f"dp_linear: bias {tuple(b.shape)} {b.dtype} is not fp32 [{outputs}]")
+        out = torch.empty(rows, outputs, dtype=out_dtype or x.dtype)
+        if out.dtype not in _LINEAR_DTYPES:
+            raise KernelError(f"dp_linear: output dtype {out.dtype}")
+        padded = inner + inner % 2
+        scratch = self._dp_scratch(rows * padded)
+        status = self._lib.dp_linear(
+            _ptr(x), x.stride(0), _is_bf16(x), _ptr(packed), outputs, inner, int(gated), _optional_ptr(bias),
+            _optional_ptr(up_bias), _ptr(out), out.stride(0), _is_bf16(out), rows, _ptr(scratch),
+            self.DP_VARIANTS[variant], torch.get_num_threads(),
+        )
+        _check(status, "dp_linear")
+        return out
+
+    def _dp_scratch(self, elements: int) -> torch.Tensor:
+        """Room for dp_linear's bf16 copy of x, kept per thread and grown on demand."""
+        scratch = getattr(self._local, "dp_rows", None)
+        if scratch is None or scratch.numel() < max(1, elements):
+            scratch = self._local.dp_rows = torch.empty(max(1, elements), dtype=torch.int16)
         return scratch
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -1,54 +1,47 @@
-"""The decoder's linear layers on CPU, through the compiled kernel at every row count.
+"""The model's linear layers on CPU: each nn.Linear computes through its layer method, made once at load.
 
-The kernel (csrc/linear.c) reads fp32 or bf16 weights in place and sums every
-output in one order whatever the number of rows, so a request's projections
-are the same bits alone or in a step of a thousand rows (batch invariance).
-BLAS GEMMs cannot promise that: they pick their blocking over K by the shape
-of the call and switch kernels with M. At decode sizes the kernel is also
-faster (BLAS repacks each weight matrix on every call).
+The backend chooses one linear method per weight dtype (method_selector.py)
+and this module gives every plain nn.Linear the method of its dtype: the
+method packs the layer's weights once (or reads them in place) and computes
+the layer for any number of rows in one order, so a request's projections are
+the same bits alone or in a step of a thousand rows (batch invariance). BLAS
+GEMMs cannot promise that: they pick their blocking over K by the shape of the
+call and switch kernels with M.
 
 The patch is per module instance (a `forward` attribute), installed by the
-engine core for its lifetime and removed by `uninstall`.
+backend for the engine's lifetime and removed by `uninstall`.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+from cbrun.engine.cpu.kernels import CpuKernels
+from cbrun.engine.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.cpu.self_check import Shape
 
 
-def kernel_can_read(module) -> bool:
-    """Whether `module` is a plain nn.Linear whose weight the kernel can read in place (fp32 or bf16, CPU,
-    contiguous, a bias of the same dtype if any)."""
-    if type(module) is not torch.nn.Linear:
-        return False
-    weight, bias = module.weight, module.bias
-    return weight.dtype in KERNEL_DTYPES and weight.device.type == "cpu" and weight.is_contiguous() \
-        and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+def linear_shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[Shape]:
+    """The distinct (N, K) of the model's plain CPU linears of `dtype`: what a method's self-check runs at."""
+    shapes = {Shape(m.out_features, m.in_features) for m in model.modules()
+              if type(m) is torch.nn.Linear and m.weight.dtype == dtype and m.weight.device.type == "cpu"}
+    return sorted(shapes, key=lambda s: (s.inputs, s.outputs))
 
 
-def install_kernel_linears(model: torch.nn.Module, kernels) -> list[torch.nn.Linear]:
-    """Route every nn.Linear of `model` the kernel can read through it; returns them. (A plain output
-    head is projected by the runner itself, to fp32 logits; heads it leaves to the model use this.)"""
-    patched = []
+def install_linear_methods(model: torch.nn.Module, kernels: CpuKernels,
+                           methods: dict[torch.dtype, LinearMethod]) -> dict[torch.nn.Linear, LayerMethod]:
+    """Route every nn.Linear whose dtype has a method through a layer method of it; returns them by module.
+    (A plain output head is projected by the backend itself, to fp32 logits, with the same layer method.)"""
+    layers: dict[torch.nn.Linear, LayerMethod] = {}
     for module in model.modules():
-        if kernel_can_read(module):
-            module.forward = functools.partial(kernel_linear, kernels, module.weight, module.bias)
-            patched.append(module)
-    return patched
+        method = methods.get(getattr(getattr(module, "weight", None), "dtype", None))
+        if method is not None and method.reads(module):
+            layer = method.make(kernels, [module.weight], [module.bias])
+            module.forward = layer  # type: ignore[method-assign]  # called as module(x): x [..., K] -> [..., N]
+            layers[module] = layer
+    return layers
 
 
-def uninstall(modules: list[torch.nn.Linear]) -> None:
+def uninstall(modules) -> None:
     for module in modules:
         module.__dict__.pop("forward", None)
-
-
-def kernel_linear(kernels, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N] in `out_dtype` (default x's) through the kernel."""
-    rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = kernels.linear(rows, weight, bias, out_dtype)  # [M, N]
-    return out.view(*x.shape[:-1], out.shape[-1])

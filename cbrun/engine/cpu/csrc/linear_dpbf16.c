@@ -1,0 +1,354 @@
+/* bf16 linear layers on bf16 dot-product pairs (AVX512-BF16's vdpbf16ps), with one arithmetic on
+ * every CPU: y = x @ W^T (+ bias) for bf16 weights and activations.
+ *
+ * Every output y[m][n] is one fp32 chain over the pairs p = 0 .. Kp/2 - 1 of k, in that order,
+ * started from zero; pair p adds its two products as vdpbf16ps does, per fp32 lane:
+ *     t   = fma(x[2p+1], w[2p+1], acc)     flushed to zero if denormal
+ *     acc = fma(x[2p],   w[2p],   t)       flushed to zero if denormal
+ * with denormal inputs read as zero. (This model matched the instruction bit for bit in millions of
+ * lanes of random bit patterns, NaNs and denormals included, on AMD Zen 4 and Zen 5.) K is padded to
+ * even with a zero pair element, the bias (fp32) is added after the chain and bf16 outputs are
+ * rounded once. Nothing about a call changes a chain: not the number of rows, the blocking, the
+ * threads, nor the variant that computes it:
+ *   DP_SCALAR  plain C: fmaf and explicit flushing. The reference the others must equal.
+ *   DP_TWIN    the same loops in portable vectors (AVX2, AVX-512F, NEON: whatever the build targets),
+ *              two FMAs per pair, with the CPU's flush-to-zero and denormals-are-zero modes set for
+ *              the call (MXCSR on x86, FPCR on AArch64) so the FMAs flush as the instruction does.
+ *   DP_ISA     vdpbf16ps itself: 8 rows x 32 outputs a step in 16 zmm accumulators. Compiled on every
+ *              x86 build (a target attribute), run only where the CPU has AVX512-BF16.
+ * So a request's numbers are the same bits alone or in a crowd, and on every CPU: a CPU without the
+ * instruction computes them with the twin, slowly. The engine runs a variant only after it has
+ * equalled DP_SCALAR on the user's CPU (linear_methods.py). Every variant runs with the flush modes
+ * set (the epilogue too, which all variants share), so bias adds and SiLU are one arithmetic as well.
+ * Why we own this kernel: oneDNN's bf16 GEMM blocks K by the call's shape (a row's bits change with
+ * the batch once K >= 1536) and its order is not vdpbf16ps's pair order on every CPU.
+ *
+ * Weights are packed once, at load (dp_pack): blocks of DP_BLOCK = 32 outputs with the k-pairs of
+ * each output interleaved,
+ *     packed[block][pair][32 outputs][2 elements]   (bf16; K padded to even, the last block to
+ *                                                    32 outputs, with zeros)
+ * so one 64-byte load holds one pair of 16 outputs. A gated MLP block holds 16 gate rows and the
+ * matching 16 up rows, and its epilogue writes silu(gate) * up. x (bf16, or fp32 rounded to bf16)
+ * is copied per call into rows padded to Kp: xp[M][Kp].
+ *
+ *   dp_pack        w [N, K] bf16 (or gate and up) -> packed blocks
+ *   dp_linear      y [M, N] = x [M, K] @ W^T (+ bias), or silu(x @ Wg^T + bg) * (x @ Wu^T + bu)
+ *   dp_variant_runs  whether a variant can run on this CPU (DP_ISA: the CPU reports AVX512-BF16)
+ */
+#include <stdlib.h>
+
+#include "vec.h"
+
+#define DP_BLOCK 32            /* outputs per packed block */
+#define DP_ROWS 8              /* rows of x per step */
+#define DP_CHUNK_BYTES (256 << 10) /* packed x per row chunk: stays in L2 while the weight blocks pass */
+#define DP_SCALAR 0
+#define DP_TWIN 1
+#define DP_ISA 2
+#define DP_BAD_ARGS (-1)
+#define DP_NO_VARIANT (-3)
+
+typedef float dp_tile[DP_ROWS][DP_BLOCK];
+
+static inline float dp_bf16_to_f32(uint16_t h) {
+  union { uint32_t u; float f; } c;
+  c.u = (uint32_t)h << 16;
+  return c.f;
+}
+
+/* ---- flush modes -------------------------------------------------------------------------- */
+
+#if defined(__x86_64__) || defined(__i386__)
+#define DP_FLUSH_BITS 0x8040u /* MXCSR: FTZ (bit 15) and DAZ (bit 6) */
+static inline unsigned dp_flush_on(void) {
+  const unsigned old = __builtin_ia32_stmxcsr();
+  __builtin_ia32_ldmxcsr(old | DP_FLUSH_BITS);
+  return old;
+}
+static inline void dp_flush_restore(unsigned old) { __builtin_ia32_ldmxcsr(old); }
+#elif defined(__aarch64__)
+static inline unsigned dp_flush_on(void) { /* FPCR.FZ (bit 24): denormal inputs and results are zero */
+  const unsigned old = (unsigned)__builtin_aarch64_get_fpcr();
+  __builtin_aarch64_set_fpcr(old | (1u << 24));
+  return old;
+}
+static inline void dp_flush_restore(unsigned old) { __builtin_aarch64_set_fpcr(old); }
+#else
+static inline unsigned dp_flush_on(void) { return 0; } /* no mode to set: the twin fails its check here */
+static inline void dp_flush_restore(unsigned old) { (void)old; }
+#endif
+
+/* ---- DP_SCALAR: the reference ----------------------------------------------------------------- */
+
+static inline float dp_flush(float v) { return fabsf(v) < 1.17549435e-38f ? copysignf(0.f, v) : v; }
+
+static inline float dp_read(uint16_t h) { return dp_flush(dp_bf16_to_f32(h)); } /* denormals read as zero */
+
+static void dp_rows_scalar(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, dp_tile out) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < DP_BLOCK; ++j) {
+      float acc = 0.f;
+      for (int64_t p = 0; p < Kp / 2; ++p) {
+        const uint16_t* wp = w + (p * DP_BLOCK + j) * 2;
+        const uint16_t* xr = xp + r * Kp + 2 * p;
+        const float t = dp_flush(fmaf(dp_read(xr[1]), dp_read(wp[1]), acc));
+        acc = dp_flush(fmaf(dp_read(xr[0]), dp_read(wp[0]), t));
+      }
+      out[r][j] = acc;
+    }
+}
+
+/* ---- DP_TWIN: portable vectors, the flush modes doing the flushing ----------------------------- */
+
+typedef uint32_t vNu __attribute__((vector_size(VEC * 4)));
+typedef uint32_t vNu_mem __attribute__((vector_size(VEC * 4), aligned(4), may_alias));
+#define TWIN_VECS (DP_BLOCK / VEC) /* vectors across a block's outputs: 2 (AVX-512) or 4 (8 lanes) */
+#if VEC == 16
+#define TWIN_ROWS 8 /* 16 accumulators + 4 weight halves + 2 splats of 32 zmm */
+#else
+#define TWIN_ROWS 2 /* 8 accumulators + 8 weight halves of 16 ymm would spill at more rows */
+#endif
+
+static inline vNf twin_high(vNu v) { return (vNf)(v & 0xFFFF0000u); } /* element 2p+1 of each pair */
+static inline vNf twin_low(vNu v) { return (vNf)(v << 16); }          /* element 2p */
+
+static inline float twin_scalar_high(uint32_t u) {
+  union { uint32_t u; float f; } c = {u & 0xFFFF0000u};
+  return c.f;
+}
+
+static inline float twin_scalar_low(uint32_t u) {
+  union { uint32_t u; float f; } c = {u << 16};
+  return c.f;
+}
+
+/* TWIN_ROWS (or fewer) rows against one block; each lane the chain of the header, fused multiply-adds
+ * where the build targets FMA (-ffp-contract=fast), flushed by the mode the caller set. */
+static inline __attribute__((always_inline)) void twin_rows(const uint16_t* xp, int64_t Kp, const uint16_t* w,
+                                                            int rows, float (*out)[DP_BLOCK]) {
+  vNf acc[TWIN_ROWS][TWIN_VECS];
+  for (int r = 0; r < TWIN_ROWS; ++r)
+    for (int v = 0; v < TWIN_VECS; ++v) acc[r][v] = splatN(0.f);
+  for (int64_t p = 0; p < Kp / 2; ++p) {
+    vNf high[TWIN_VECS], low[TWIN_VECS];
+    for (int v = 0; v < TWIN_VECS; ++v) {
+      const vNu pairs = *(const vNu_mem*)(w + (p * DP_BLOCK + v * VEC) * 2);
+      high[v] = twin_high(pairs);
+      low[v] = twin_low(pairs);
+    }
+    for (int r = 0; r < TWIN_ROWS; ++r) {
+      if (r >= rows) break;
+      uint32_t pair;
+      memcpy(&pair, xp + r * Kp + 2 * p, 4);
+      const vNf xh = splatN(twin_scalar_high(pair)), xl = splatN(twin_scalar_low(pair));
+      for (int v = 0; v < TWIN_VECS; ++v) {
+        acc[r][v] += xh * high[v]; /* t = fma(x[2p+1], w[2p+1], acc) */
+        acc[r][v] += xl * low[v];  /* acc = fma(x[2p], w[2p], t) */
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < TWIN_VECS; ++v) storeN_f32(out[r] + v * VEC, acc[r][v]);
+}
+
+static void dp_rows_twin(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, dp_tile out) {
+  for (int r0 = 0; r0 < rows; r0 += TWIN_ROWS) {
+    const int n = rows - r0 < TWIN_ROWS ? rows - r0 : TWIN_ROWS;
+    twin_rows(xp + r0 * Kp, Kp, w, n, out + r0);
+  }
+}
+
+/* ---- DP_ISA: vdpbf16ps ------------------------------------------------------------------------ */
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define DP_HAS_ISA_SOURCE 1
+#include <immintrin.h>
+
+#define DP_ISA_TARGET __attribute__((target("avx512f,avx512bf16"), always_inline)) static inline
+
+/* R rows (a compile-time count) against one block: per pair, two 64-byte weight loads, one broadcast
+ * of each row's pair, 2R instructions. */
+#define DEFINE_ISA_ROWS(R)                                                                              \
+  DP_ISA_TARGET void isa_rows_##R(const uint16_t* xp, int64_t Kp, const uint16_t* w, dp_tile out) {     \
+    __m512 acc[R][2];                                                                                   \
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                            \
+    for (int64_t p = 0; p < Kp / 2; ++p) {                                                              \
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * DP_BLOCK * 2);                           \
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * DP_BLOCK * 2 + DP_BLOCK);                \
+      for (int r = 0; r < R; ++r) {                                                                     \
+        int32_t pair;                                                                                   \
+        memcpy(&pair, xp + r * Kp + 2 * p, 4);                                                          \
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                                          \
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);                                                \
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);                                                \
+      }                                                                                                 \
+    }                                                                                                   \
+    for (int r = 0; r < R; ++r) {                                                                       \
+      _mm512_storeu_ps(out[r], acc[r][0]);                                                              \
+      _mm512_storeu_ps(out[r] + 16, acc[r][1]);                                                         \
+    }                                                                                                   \
+  }
+
+DEFINE_ISA_ROWS(1)
+DEFINE_ISA_ROWS(2)
+DEFINE_ISA_ROWS(3)
+DEFINE_ISA_ROWS(4)
+DEFINE_ISA_ROWS(5)
+DEFINE_ISA_ROWS(6)
+DEFINE_ISA_ROWS(7)
+DEFINE_ISA_ROWS(8)
+
+__attribute__((target("avx512f,avx512bf16"))) static void dp_rows_isa(const uint16_t* xp, int64_t Kp,
+                                                                       const uint16_t* w, int rows, dp_tile out) {
+  switch (rows) {
+    case 1: isa_rows_1(xp, Kp, w, out); break;
+    case 2: isa_rows_2(xp, Kp, w, out); break;
+    case 3: isa_rows_3(xp, Kp, w, out); break;
+    case 4: isa_rows_4(xp, Kp, w, out); break;
+    case 5: isa_rows_5(xp, Kp, w, out); break;
+    case 6: isa_rows_6(xp, Kp, w, out); break;
+    case 7: isa_rows_7(xp, Kp, w, out); break;
+    default: isa_rows_8(xp, Kp, w, out); break;
+  }
+}
+#else
+#define DP_HAS_ISA_SOURCE 0
+#endif
+
+typedef void (*dp_rows_fn)(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, dp_tile out);
+
+int dp_variant_runs(int variant) {
+  if (variant == DP_SCALAR || variant == DP_TWIN) return 1;
+#if DP_HAS_ISA_SOURCE
+  if (variant == DP_ISA) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  }
+#endif
+  return 0;
+}
+
+static dp_rows_fn dp_rows_for(int variant) {
+  if (!dp_variant_runs(variant)) return 0;
+#if DP_HAS_ISA_SOURCE
+  if (variant == DP_ISA) return dp_rows_isa;
+#endif
+  return variant == DP_TWIN ? dp_rows_twin : dp_rows_scalar;
+}
+
+/* ---- packing ---------------------------------------------------------------------------------- */
+
+/* Packed elements for N outputs of K inputs (gated: N gate and N up rows). */
+int64_t dp_packed_size(int64_t N, int64_t K, int gated) {
+  const int64_t per_block = gated ? DP_BLOCK / 2 : DP_BLOCK;
+  return (N + per_block - 1) / per_block * ((K + 1) / 2 * 2) * DP_BLOCK;
+}
+
+/* w [N, K] bf16 (gated: w = gate rows, up = the up rows) -> packed, blocks shared between threads. */
+int dp_pack(const uint16_t* w, const uint16_t* up, int64_t N, int64_t K, int gated, uint16_t* packed,
+            int threads) {
+  if (N < 1 || K < 1 || (gated && !up)) return DP_BAD_ARGS;
+  const int64_t Kp = (K + 1) / 2 * 2;
+  const int per_block = gated ? DP_BLOCK / 2 : DP_BLOCK;
+  const int64_t blocks = (N + per_block - 1) / per_block;
+  _Pragma("omp parallel for num_threads(threads) schedule(static)")
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint16_t* dst = packed + b * Kp * DP_BLOCK;
+    for (int j = 0; j < DP_BLOCK; ++j) {
+      const int64_t n = b * per_block + (gated ? j % per_block : j);
+      const uint16_t* src = n >= N ? 0 : (gated && j >= per_block ? up : w) + n * K;
+      for (int64_t k = 0; k < Kp; ++k) dst[(k / 2 * DP_BLOCK + j) * 2 + k % 2] = src && k < K ? src[k] : 0;
+    }
+  }
+  return 0;
+}
+
+/* ---- the driver ------------------------------------------------------------------------------- */
+
+static inline void dp_store(void* y, int64_t at, int y_bf16, float value) {
+  if (y_bf16) ((uint16_t*)y)[at] = f32_to_bf16(value);
+  else ((float*)y)[at] = value;
+}
+
+/* Rows of x into xp [M][Kp] as bf16 (fp32 rounded to nearest even), the pad column zero; this thread's
+ * rows (every threads-th). */
+static void dp_pack_rows(const void* x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int64_t Kp, uint16_t* xp,
+                         int thread, int threads) {
+  for (int64_t m = thread; m < M; m += threads) {
+    uint16_t* dst = xp + m * Kp;
+    if (x_bf16) memcpy(dst, (const uint16_t*)x + m * ldx, K * 2);
+    else
+      for (int64_t k = 0; k < K; ++k) dst[k] = f32_to_bf16(((const float*)x)[m * ldx + k]);
+    if (Kp > K) dst[K] = 0;
+  }
+}
+
+typedef struct {
+  const float *bias, *up_bias; /* fp32 [N] or NULL */
+  int gated, y_bf16;
+  void* y;
+  int64_t ldy, N;
+} dp_target;
+
+/* Rows m.. of block b's sums: + bias, (gated: silu(gate) * up, 16 lanes at a time), stored. */
+static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile acc) {
+  if (!t->gated) {
+    const int64_t n0 = b * DP_BLOCK;
+    const int cols = t->N - n0 < DP_BLOCK ? (int)(t->N - n0) : DP_BLOCK;
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < cols; ++j)
+        dp_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, t->bias ? acc[r][j] + t->bias[n0 + j] : acc[r][j]);
+    return;
+  }
+  const int half = DP_BLOCK / 2;
+  const int64_t n0 = b * half;
+  const int cols = t->N - n0 < half ? (int)(t->N - n0) : half;
+  float bg[16] = {0}, bu[16] = {0};
+  for (int j = 0; j < cols; ++j) {
+    bg[j] = t->bias ? t->bias[n0 + j] : 0.f;
+    bu[j] = t->up_bias ? t->up_bias[n0 + j] : 0.f;
+  }
+  for (int r = 0; r < rows; ++r) {
+    const v16f g = load16_f32(acc[r]) + load16_f32(bg), u = load16_f32(acc[r] + half) + load16_f32(bu);
+    float out[16];
+    store16_f32(out, g / (splat16(1.f) + exp16(-g)) * u);
+    for (int j = 0; j < cols; ++j) dp_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, out[j]);
+  }
+}
+
+/* y = x @ W^T (+ bias) for the packed W of N outputs over K (gated: silu(x @ Wg^T + bias) * (x @ Wu^T +
+ * up_bias), N outputs). x [M, K] rows ldx apart, bf16 or fp32; y [M, N] rows ldy apart, bf16 or fp32;
+ * xp: scratch for M * Kp bf16. Returns 0, DP_BAD_ARGS, or DP_NO_VARIANT where this CPU cannot run it. */
+int dp_linear(const void* x, int64_t ldx, int x_bf16, const uint16_t* packed, int64_t N, int64_t K, int gated,
+              const float* bias, const float* up_bias, void* y, int64_t ldy, int y_bf16, int64_t M, uint16_t* xp,
+              int variant, int threads) {
+  if (M < 0 || N < 1 || K < 1) return DP_BAD_ARGS;
+  const dp_rows_fn rows_fn = dp_rows_for(variant);
+  if (!rows_fn) return DP_NO_VARIANT;
+  if (M == 0) return 0;
+  const int64_t Kp = (K + 1) / 2 * 2;
+  const int64_t blocks = (N + (gated ? DP_BLOCK / 2 : DP_BLOCK) - 1) / (gated ? DP_BLOCK / 2 : DP_BLOCK);
+  int64_t chunk = DP_CHUNK_BYTES / (Kp * 2);
+  chunk = chunk < DP_ROWS ? DP_ROWS : chunk - chunk % DP_ROWS;
+  const dp_target target = {bias, up_bias, gated, y_bf16, y, ldy, N};
+  _Pragma("omp parallel num_threads(threads)") {
+    const unsigned mode = dp_flush_on();
+    dp_pack_rows(x, ldx, x_bf16, M, K, Kp, xp, omp_get_thread_num(), omp_get_num_threads());
+    _Pragma("omp barrier")
+    dp_tile acc;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
+      _Pragma("omp for schedule(static)")
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t m = m0; m < m1; m += DP_ROWS) {
+          const int rows = m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS;
+          rows_fn(xp + m * Kp, Kp, packed + b * Kp * DP_BLOCK, rows, acc);
+          dp_emit(&target, b, m, rows, acc);
+        }
+    }
+    dp_flush_restore(mode);
+  }
+  return 0;
+}
+
+int dp_block_outputs(void) { return DP_BLOCK; }

@@ -1,0 +1,85 @@
+"""Which linear method serves each weight dtype: chosen once at load, after each candidate's self-check.
+
+Policies (EngineConfig.kernels, `--kernels`):
+  portable  the default: methods whose bits are the same on every CPU. bf16
+            takes vdpbf16ps where the CPU has AVX512-BF16, else its portable
+            twin, else the plain-C reference (the same numbers, slower).
+  fastest   also machine-local methods (oneDNN's packed bf16 on fixed blocks),
+            when a short timed trial shows one faster and it passes the
+            invariance probe on this CPU. Still batch-invariant here; its bits
+            differ from other CPUs'.
+
+A candidate that fails its check is skipped with one log line and the next
+one serves; the results go to `cbrun info` and the run summary.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from cbrun.engine.config import KERNEL_POLICIES
+from cbrun.engine.cpu.kernels import CpuKernels
+from cbrun.engine.cpu.linear_methods import DP_ISA, DP_SCALAR, DP_TWIN, F32, ONEDNN_B64, LinearMethod
+from cbrun.engine.cpu.self_check import CheckResult, Shape, check_method
+
+log = logging.getLogger("cbrun.engine")
+
+_CANDIDATES: dict[tuple[str, torch.dtype], list[LinearMethod]] = {
+    ("portable", torch.float32): [F32],
+    ("portable", torch.bfloat16): [DP_ISA, DP_TWIN, DP_SCALAR],
+    ("fastest", torch.float32): [F32],
+    ("fastest", torch.bfloat16): [DP_ISA, ONEDNN_B64, DP_TWIN, DP_SCALAR],
+}
+
+
+@dataclass
+class MethodChoice:
+    """The method serving one weight dtype, and every candidate's check (in the order tried)."""
+
+    dtype: torch.dtype
+    method: LinearMethod | None
+    checks: list[CheckResult] = field(default_factory=list)
+
+    def summary(self) -> str:
+        name = str(self.dtype).removeprefix("torch.")
+        if self.method is None:
+            return f"{name}: no method passed its self-check"
+        chosen = next(c for c in self.checks if c.method == self.method.name)
+        skipped = [f"{c.method} ({c.detail})" for c in self.checks if not c.passed]
+        bits = "the same bits on every CPU" if self.method.portable else "this CPU's own bits"
+        text = f"{name}: {self.method.name} ({bits}; self-check {chosen.detail}" \
+               f"{', cached' if chosen.cached else f', {chosen.seconds:.2f} s'})"
+        return text + (f"; skipped {'; '.join(skipped)}" if skipped else "")
+
+
+def choose_linear_method(kernels: CpuKernels, dtype: torch.dtype, shapes: list[Shape], policy: str = "portable",
+                         candidates: list[LinearMethod] | None = None) -> MethodChoice:
+    """The first candidate that passes its self-check at `shapes` ("fastest": the quickest of the
+    passing machine-local and ISA methods, by a timed trial), or a choice with no method."""
+    if policy not in KERNEL_POLICIES:
+        raise ValueError(f"unknown kernel policy {policy!r} (choose from {', '.join(KERNEL_POLICIES)})")
+    candidates = candidates if candidates is not None else _CANDIDATES.get((policy, dtype), [])
+    choice = MethodChoice(dtype, None)
+    timed = policy == "fastest"
+    racing = [m for m in candidates if timed and m not in (DP_TWIN, DP_SCALAR)]
+    for method in racing:  # "fastest": every fast candidate runs its check and trial
+        choice.checks.append(check_method(kernels, method, shapes, timed=True, cache_key=kernels.build_name))
+    passed = [(c.trial_ms, m) for c, m in zip(choice.checks, racing) if c.passed]
+    if passed:
+        choice.method = min(passed, key=lambda pair: pair[0])[1]
+    for method in candidates:
+        if choice.method is not None:
+            break
+        if method in racing:
+            continue
+        result = check_method(kernels, method, shapes, cache_key=kernels.build_name)
+        choice.checks.append(result)
+        if result.passed:
+            choice.method = method
+    for result in choice.checks:
+        if not result.passed:
+            log.info("linear method %s not used: %s", result.method, result.detail)
+    return choice
