@@ -8,7 +8,8 @@ import typing
 
 import pytest
 
-from cbrun import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
+from cbrun import LLM, CompletionOutput, GuidedDecodingParams, Logprob, RequestOutput, SamplingParams, \
+    StructuredOutputsParams
 from cbrun.cli.app import main
 from cbrun.llm.engine_args import UNSUPPORTED as UNSUPPORTED_OPTIONS
 from cbrun.llm.params import UNSUPPORTED as UNSUPPORTED_FIELDS
@@ -48,7 +49,7 @@ def cli_greedy_tokens(model_dir, rows, folder) -> dict[str, list[int]]:
     source, target = folder / "in.jsonl", folder / "out.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert main(["generate", str(source), str(target), "-m", str(model_dir), "--max-tokens", "8",
-                 "--temperature", "0", "--num-blocks", "256", "-q"]) == 0
+                 "--temperature", "0", "--num-blocks", "256", "--dtype", "float32", "-q"]) == 0
     return {r["id"]: r["completion_token_ids"] for r in map(json.loads, target.read_text().splitlines())}
 
 
@@ -236,3 +237,15 @@ def test_skip_special_tokens_false_keeps_special_tokens_but_not_the_stop_token(l
     assert special.token_ids == plain.token_ids
     ids = plain.token_ids[:-1] if plain.finish_reason == "stop" else plain.token_ids
     assert special.text == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_structured_outputs_constrain_the_completion_as_vllms_params_ask(llm):
+    choice = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    regex = SamplingParams(temperature=0, max_tokens=10, guided_decoding=GuidedDecodingParams(regex="[0-9]{3}"))
+    as_dict = SamplingParams(temperature=0, max_tokens=10, structured_outputs={"choice": ["yes", "no"]})
+    picked, digits, again = llm.generate(["pick one", "a number", "pick one"], [choice, regex, as_dict],
+                                         use_tqdm=False)
+    assert picked.outputs[0].text in ("yes", "no") and again.outputs[0].text == picked.outputs[0].text
+    assert len(digits.outputs[0].text) == 3 and digits.outputs[0].text.isdigit()
+    with pytest.raises(UnsupportedFieldError, match="StructuredOutputsParams.backend"):
+        StructuredOutputsParams(regex="a", backend="xgrammar")

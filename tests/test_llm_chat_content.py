@@ -44,7 +44,7 @@ def test_cli_flattens_parts_and_gives_an_error_row_for_an_image(tiny_llama_dir, 
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = main(["generate", str(source), str(target), "-m", str(tiny_llama_dir), "--max-tokens", "6",
-                 "--temperature", "0", "--num-blocks", "64", "-q"])
+                 "--temperature", "0", "--num-blocks", "64", "--dtype", "float32", "-q"])
     assert code == 1  # the job ran every row; exit 1 says some rows failed
     out = {r["id"]: r for r in map(json.loads, target.read_text().splitlines())}
     assert out["parts"]["completion_token_ids"] == out["string"]["completion_token_ids"]

@@ -71,7 +71,8 @@ class OutputBuilder:
         top = out.top_logprobs if top is None else top
         positions = None
         if params.logprobs is not None:
-            positions = [self.position(token, lp, (top or [])[i] if top else [], params.greedy)
+            argmax = params.greedy and params.constraint is None  # a constraint's pick need not be the raw argmax
+            positions = [self.position(token, lp, (top or [])[i] if top else [], argmax)
                          for i, (token, lp) in enumerate(zip(out.token_ids, logprobs))]
         return CompletionOutput(
             index=out.sample_index,

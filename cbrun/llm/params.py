@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from cbrun.engine.config import SamplingParams as EngineSampling
+from cbrun.engine.config import StructuredSpec
 
 _SAMPLING_EPS = 1e-5  # vLLM: a temperature below this is greedy
 
@@ -28,8 +29,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "logits_processors": (None, "cbrun runs no user logits processors"),
     "truncate_prompt_tokens": (None, "cbrun does not truncate prompts"),
     "spaces_between_special_tokens": (True, "cbrun decodes with the tokenizer's default spacing"),
-    "structured_outputs": (None, "structured outputs are not in cbrun's engine yet"),
-    "guided_decoding": (None, "structured outputs are not in cbrun's engine yet"),
     "output_kind": (None, "cbrun's LLM returns final outputs only"),
     "extra_args": (None, "cbrun takes no extra sampling arguments"),
 }
@@ -37,6 +36,37 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 
 class UnsupportedFieldError(ValueError):
     """A vLLM option cbrun does not implement was given a value; the message names it."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint (also its older name, GuidedDecodingParams): give one of
+    json (a schema, dict or JSON text), json_object, regex, choice, grammar (Lark or GBNF)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        for name, neutral in (("backend", None), ("whitespace_pattern", None), ("structural_tag", None),
+                              ("disable_any_whitespace", False), ("disable_additional_properties", False)):
+            if getattr(self, name) != neutral:
+                raise UnsupportedFieldError(f"StructuredOutputsParams.{name} is not supported by cbrun "
+                                            f"(its grammar engine is llguidance, as configured); leave it at {neutral!r}")
+
+    def to_spec(self) -> StructuredSpec | None:
+        return StructuredSpec.from_fields(json_schema=self.json, regex=self.regex, choice=self.choice,
+                                          grammar=self.grammar, json_object=self.json_object)
+
+
+GuidedDecodingParams = StructuredOutputsParams
 
 
 @dataclass
@@ -50,6 +80,7 @@ class SamplingParams:
     ignore_eos: keep going past EOS. logprobs: K alternatives per generated token (0: the
     sampled token only; -1: the whole vocabulary). prompt_logprobs: the same for every prompt
     token (teacher-forced scoring of the prompt). detokenize, skip_special_tokens: how `text` is made.
+    structured_outputs (or guided_decoding): a StructuredOutputsParams the output must satisfy.
     Logprobs are vLLM's default kind: the log-softmax of the model's raw logits (temperature 1),
     before any filtering.
     """
@@ -79,8 +110,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     output_kind: Any = None
-    structured_outputs: Any = None
-    guided_decoding: Any = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: StructuredOutputsParams | dict | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict | None = None
@@ -101,6 +132,15 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or value < -1):
                 raise ValueError(f"SamplingParams.{name} must be None, -1 (whole vocabulary) or an integer >= 0, "
                                  f"got {value!r}")
+        if self.structured_outputs is not None and self.guided_decoding is not None:
+            raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+        for name in ("structured_outputs", "guided_decoding"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, StructuredOutputsParams(**value))
+            elif value is not None and not isinstance(value, StructuredOutputsParams):
+                raise TypeError(f"SamplingParams.{name} must be cbrun.StructuredOutputsParams or a dict, "
+                                f"got {type(value).__name__}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"SamplingParams.max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
         self.to_engine(max_tokens=1, vocab_size=1)  # the engine's own checks, named by field
@@ -123,7 +163,12 @@ class SamplingParams:
             ignore_eos=self.ignore_eos,
             n=self.n,
             top_logprobs=_count(self.logprobs, vocab_size),
+            structured=self.constraint.to_spec() if self.constraint is not None else None,
         )
+
+    @property
+    def constraint(self) -> StructuredOutputsParams | None:
+        return self.structured_outputs or self.guided_decoding
 
     def clone(self) -> "SamplingParams":
         return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
