@@ -22,12 +22,13 @@ import typer
 
 from cbrun.cli.common import (DEFAULT_MODEL, EXIT_INTERRUPTED, EXIT_OK, EXIT_ROWS_FAILED, CliError,
                               CpuOffloadOption, Device, DeviceOption, Dtype, DtypeOption, MaxBatchTokensOption,
-                              MaxMemoryPercentOption, MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption,
+                              KernelsOption, MaxMemoryPercentOption, MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption,
                               NumBlocksOption, PageSizeOption, RevisionOption, SafetyMarginOption, SchedulerOption,
                               build_engine_config, check_input_output, first_line, load_model, quiet_libraries)
 
 INPUT_PANEL, SAMPLING_PANEL, OUTPUT_PANEL = "Input", "Sampling (rows may override)", "Output"
 SCALE_PANEL = "Past one machine (shards, Ray)"
+STRUCTURED_PANEL = "Structured outputs (a row's json_schema/regex/choice/grammar/json_object overrides)"
 
 
 class OutputFormat(str, Enum):
@@ -58,6 +59,11 @@ class GenerateOptions:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    json_schema: str | None = None  # job-wide structured-output constraints (files for schema and grammar)
+    regex: str | None = None
+    choice: list[str] = field(default_factory=list)
+    grammar: str | None = None
+    masked_logprobs: bool = False
     keep_columns: str | None = None
     prompt_token_ids: bool = False
     format: OutputFormat = OutputFormat.auto
@@ -117,6 +123,19 @@ def generate(
                                            rich_help_panel=OUTPUT_PANEL)] = False,
     top_logprobs: Annotated[int, typer.Option(help="Add top_logprobs: the K most likely tokens at each step.",
                                               rich_help_panel=OUTPUT_PANEL)] = 0,
+    json_schema: Annotated[Optional[str], typer.Option(
+        "--json-schema", metavar="FILE", help="Every output is JSON valid against this JSON schema file.",
+        rich_help_panel=STRUCTURED_PANEL)] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Every output matches this regular expression.",
+                                                 rich_help_panel=STRUCTURED_PANEL)] = None,
+    choice: Annotated[Optional[list[str]], typer.Option(help="Every output is one of these strings (repeatable).",
+                                                        rich_help_panel=STRUCTURED_PANEL)] = None,
+    grammar: Annotated[Optional[str], typer.Option(
+        metavar="FILE", help="Every output follows this grammar (Lark or GBNF/EBNF text file).",
+        rich_help_panel=STRUCTURED_PANEL)] = None,
+    masked_logprobs: Annotated[bool, typer.Option(
+        "--masked-logprobs", help="Constrained rows report logprobs of the masked distribution they were "
+        "sampled from (default: the model's, before the mask).", rich_help_panel=STRUCTURED_PANEL)] = False,
     keep_columns: Annotated[Optional[str], typer.Option(help="Input columns to copy to the output (a,b,c).",
                                                         rich_help_panel=OUTPUT_PANEL)] = None,
     prompt_token_ids: Annotated[bool, typer.Option("--prompt-token-ids", help="Add the prompt_token_ids column.",
@@ -142,6 +161,7 @@ def generate(
     no_prefix_cache: NoPrefixCacheOption = False,
     cpu_offload_gb: CpuOffloadOption = None,
     max_memory_percent: MaxMemoryPercentOption = None,
+    kernels: KernelsOption = None,
     num_shards: Annotated[Optional[int], typer.Option(
         help="Split the input into N shards by a stable hash of each row's id; this process runs one. "
              "Default: SLURM_ARRAY_TASK_COUNT, CBRUN_NUM_SHARDS (with JOB_COMPLETION_INDEX) or WORLD_SIZE. "
@@ -171,12 +191,13 @@ def generate(
     engine = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
                   max_requests_per_batch=max_requests_per_batch, scheduler=scheduler, safety_margin=safety_margin,
                   no_prefix_cache=no_prefix_cache, cpu_offload_gb=cpu_offload_gb,
-                  max_memory_percent=max_memory_percent)
+                  max_memory_percent=max_memory_percent, kernels=kernels)
     options = GenerateOptions(
         input=input, output=output, model=model, dataset=dataset, split=split, prompt_column=prompt_column,
         chat=chat, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         seed=seed, n=n, stop=list(stop or []), ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
-        keep_columns=keep_columns, prompt_token_ids=prompt_token_ids, format=format, resume=resume,
+        json_schema=json_schema, regex=regex, choice=list(choice or []), grammar=grammar,
+        masked_logprobs=masked_logprobs, keep_columns=keep_columns, prompt_token_ids=prompt_token_ids, format=format, resume=resume,
         overwrite=overwrite, quiet=quiet, window=window, dtype=dtype, device=device, revision=revision, engine=engine,
         num_shards=num_shards, shard_index=shard_index, ray=ray, ray_address=ray_address, replicas=replicas,
         threads_per_replica=threads_per_replica, cpus_per_replica=cpus_per_replica)
@@ -393,11 +414,17 @@ def _select_rows(source, shard):
 
 
 def _sampling(opts: GenerateOptions):
+    from cbrun.data.constraints import job_constraint
     from cbrun.engine import ConfigError, SamplingParams
 
     values = dict(max_tokens=opts.max_tokens, temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k,
                   min_p=opts.min_p, seed=opts.seed, n=opts.n, stop=tuple(opts.stop), ignore_eos=opts.ignore_eos,
-                  top_logprobs=opts.top_logprobs)
+                  top_logprobs=opts.top_logprobs, masked_logprobs=opts.masked_logprobs)
+    try:
+        values["structured"] = job_constraint(json_schema_file=opts.json_schema, regex=opts.regex,
+                                              choice=opts.choice or None, grammar_file=opts.grammar)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     try:
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
     except ConfigError as exc:
@@ -415,10 +442,11 @@ def _keep_columns(text: str | None) -> tuple[str, ...]:
 
 
 def _open_input(opts: GenerateOptions, keep: tuple[str, ...]):
+    from cbrun.data.constraints import ROW_FIELDS
     from cbrun.data.prompts import ID_FIELDS, PROMPT_FIELDS, SAMPLING_OVERRIDES
     from cbrun.data.reader import InputError, open_input
 
-    columns = {*ID_FIELDS, *PROMPT_FIELDS, *SAMPLING_OVERRIDES, *keep, "method", "url", "body"}
+    columns = {*ID_FIELDS, *PROMPT_FIELDS, *SAMPLING_OVERRIDES, *ROW_FIELDS, *keep, "method", "url", "body"}
     if opts.prompt_column:
         columns.add(opts.prompt_column)
     try:
@@ -455,7 +483,8 @@ def _formats(name: str, openai_input: bool, tokenizer, opts: GenerateOptions, ke
     if name == "openai":
         return converter, converter
     fmt = CbrunFormat(logprobs=opts.logprobs, top_logprobs=opts.top_logprobs > 0,
-                      prompt_token_ids=opts.prompt_token_ids, keep_columns=keep)
+                      prompt_token_ids=opts.prompt_token_ids, keep_columns=keep,
+                      structured=any((opts.json_schema, opts.regex, opts.choice, opts.grammar)))
     return fmt, converter
 
 
@@ -512,7 +541,10 @@ def _claim_stdout(claim: bool):
 def _dashboard(engine, progress):
     from cbrun.dashboard import Dashboard
 
-    return Dashboard(engine.stats, progress, stream=sys.stderr, title="cbrun generate")
+    dashboard = Dashboard(engine.stats, progress, stream=sys.stderr, title="cbrun generate")
+    if hasattr(engine, "linear_kernels"):
+        dashboard.notes.append(("linear kernels", engine.linear_kernels()))
+    return dashboard
 
 
 @contextlib.contextmanager

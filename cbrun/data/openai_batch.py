@@ -8,6 +8,8 @@ its samples as `choices`, as the Batch API writes it:
     {"id": "batch_req_...", "custom_id": "q1",
      "response": {"status_code": 200, "request_id": "req_...", "body": {chat.completion}},
      "error": null}
+`body.response_format` (json_object, json_schema) constrains the output;
+a choice cut short by max_tokens has finish_reason "length".
 A bad request gets status 400 and `body.error.message` naming the row; a
 request the engine failed gets status 500.
 """
@@ -18,6 +20,7 @@ import hashlib
 import time
 from typing import Any
 
+from cbrun.data.constraints import response_format_fields
 from cbrun.data.prompts import BadRow, RowSpec
 from cbrun.data.reader import RawRow
 from cbrun.data.schema import RowKey, bad_row_number, engine_error, is_killed
@@ -63,6 +66,11 @@ def convert_request(record: dict) -> tuple[dict, dict] | str:
     for name in PASSED_THROUGH:
         if body.get(name) is not None:
             row[name] = body[name]
+    if body.get("response_format") is not None:
+        fields = response_format_fields(body["response_format"])
+        if isinstance(fields, str):
+            return f"body.{fields}"
+        row.update(fields)
     if endpoint == "chat":
         want_logprobs = bool(body.get("logprobs"))
         top = (body.get("top_logprobs") or 0) if want_logprobs else 0

@@ -13,6 +13,10 @@ Columns, in order:
     num_completion_tokens int
     num_cached_tokens     int      prompt tokens served from the prefix cache
     error                 string?  null, or "row N: field: reason"
+    structured            string?  complete | incomplete for a row with a structured-output
+                                   constraint (incomplete: cut by max_tokens or a stop string
+                                   before its grammar completed; never valid output), else null
+                                   (with a job-wide constraint, or in JSONL for a row carrying one)
     prompt_token_ids      [int]    (with --prompt-token-ids)
     ...                            input columns named by --keep-columns
 
@@ -31,7 +35,7 @@ from cbrun.engine.request import GenerationOutput
 
 BASE_COLUMNS = ("id", "sample", "completion", "completion_token_ids", "logprobs", "top_logprobs",
                 "finish_reason", "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens",
-                "error", "prompt_token_ids")
+                "error", "structured", "prompt_token_ids")
 STOPPED_MARKER = "engine stopped"
 _BAD_ROW = re.compile(r"^row (\d+)(?: \(line \d+\))?: ")
 
@@ -58,6 +62,13 @@ def engine_error(spec: RowSpec, out: GenerationOutput) -> str:
     return f"{spec.where} (engine): {out.error or out.finish_reason}"
 
 
+def structured_status(out: GenerationOutput) -> str | None:
+    """"complete" / "incomplete" for a constrained output, None for a free or failed one."""
+    if out.structured_complete is None or out.finish_reason == "error":
+        return None
+    return "complete" if out.structured_complete else "incomplete"
+
+
 def is_killed(finish_reason: str | None, error: str | None) -> bool:
     """A result of a hard stop or a cancel: not an answer, redo it on resume."""
     return finish_reason == "cancelled" or (finish_reason == "error" and STOPPED_MARKER in (error or ""))
@@ -77,11 +88,12 @@ class CbrunFormat:
     top_logprobs: bool = False
     prompt_token_ids: bool = False
     keep_columns: tuple[str, ...] = ()
+    structured: bool = False  # the job has a job-wide constraint: every row gets the structured column
     per_row = False  # one output row per sample, written as soon as it finishes
 
     def columns(self) -> list[str]:
         optional = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs,
-                    "prompt_token_ids": self.prompt_token_ids}
+                    "prompt_token_ids": self.prompt_token_ids, "structured": self.structured}
         return [c for c in BASE_COLUMNS if optional.get(c, True)] + list(self.keep_columns)
 
     def result_rows(self, spec: RowSpec, results: list[tuple[int, GenerationOutput]]) -> list[dict]:
@@ -99,6 +111,8 @@ class CbrunFormat:
         row.update(finish_reason=out.finish_reason, num_prompt_tokens=spec.num_prompt_tokens,
                    num_completion_tokens=len(out.token_ids), num_cached_tokens=out.num_cached_tokens,
                    error=engine_error(spec, out) if failed else None)
+        if self.structured or out.structured_complete is not None:
+            row["structured"] = structured_status(out)
         if self.prompt_token_ids:
             row["prompt_token_ids"] = list(spec.token_ids or ())
         row.update(spec.keep)
@@ -112,6 +126,8 @@ class CbrunFormat:
             row["top_logprobs"] = []
         row.update(finish_reason="error", num_prompt_tokens=0, num_completion_tokens=0,
                    num_cached_tokens=0, error=bad.message)
+        if self.structured:
+            row["structured"] = None
         if self.prompt_token_ids:
             row["prompt_token_ids"] = None
         row.update(bad.keep)
@@ -140,7 +156,8 @@ class CbrunFormat:
             "completion_token_ids": token_list, "logprobs": pa.list_(pa.float32()),
             "top_logprobs": pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())]))),
             "finish_reason": pa.string(), "num_prompt_tokens": pa.int64(), "num_completion_tokens": pa.int64(),
-            "num_cached_tokens": pa.int64(), "error": pa.string(), "prompt_token_ids": token_list,
+            "num_cached_tokens": pa.int64(), "error": pa.string(), "structured": pa.string(),
+            "prompt_token_ids": token_list,
         }
         keep_types = keep_types or {}
         return pa.schema([(c, types[c] if c in types else keep_types.get(c, pa.string())) for c in self.columns()])
