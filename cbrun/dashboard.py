@@ -67,6 +67,7 @@ class Dashboard:
         self.live = self.stream.isatty() if live is None else live
         self.interval = interval
         self.title = title
+        self.notes: list[tuple[str, str]] = []  # (name, value) rows the summary shows, e.g. the linear kernels
         self.console = Console(file=self.stream, force_terminal=self.live or None)
         self._rates = Rates()
         self._last = StatsSnapshot()
@@ -199,7 +200,7 @@ class Dashboard:
         table.add_row("peak kv occupancy", f"{peak:.0%} of {s.blocks_total:,} blocks")
         table.add_row("prefix-cache hit rate", f"{s.prefix_hit_rate:.1%}")
         table.add_row("offloads / soft resets", f"{s.offloads} / {s.soft_resets}")
-        for name, value in extra or []:
+        for name, value in [*self.notes, *(extra or [])]:
             table.add_row(name, value)
         return table
 

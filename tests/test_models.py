@@ -376,8 +376,18 @@ def test_bad_dtype_fails_before_any_loading():
         load_model("no-such-model-xyz", dtype="int4")
 
 
-def test_auto_dtype_on_cpu_is_fp32():
-    assert resolve_dtype("auto", "cpu") == torch.float32  # our CPU kernels multiply in fp32 on every ISA
+def test_auto_dtype_on_cpu_is_bf16_exactly_where_the_cpu_has_bf16_dot_products(monkeypatch):
+    from cbrun.engine.cpu import method_selector
+    from cbrun.engine.cpu.kernels import cpu_flags
+
+    has_dot_products = bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if has_dot_products else torch.float32)
+    monkeypatch.setattr(method_selector, "bf16_dot_products_here", lambda: (False, "test: no bf16 here"))
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setattr(method_selector, "bf16_dot_products_here", lambda: (True, "test: bf16 here"))
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setenv("CBRUN_KERNELS", "torch")  # the torch reference paths have no bf16 kernel
+    assert resolve_dtype("auto", "cpu") == torch.float32
 
 
 @pytest.mark.parametrize("bf16_supported", [True, False])

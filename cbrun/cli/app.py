@@ -7,11 +7,13 @@ bench module never breaks `generate` or `--help`.
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 
 from cbrun.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, CliError
 from cbrun.cli.generate import generate
+from cbrun.cli.info import info, version_text
 from cbrun.cli.score import score
 
 app = typer.Typer(
@@ -24,6 +26,18 @@ app = typer.Typer(
 )
 app.command("generate")(generate)
 app.command("score")(score)
+app.command("info")(info)
+
+
+@app.callback(invoke_without_command=True)
+def _options(ctx: typer.Context,
+             version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False) -> None:
+    if version:
+        print(version_text())
+        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
+        raise typer.Exit(0)
 
 
 def _register_bench() -> None:

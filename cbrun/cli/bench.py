@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from cbrun.cli.common import (DEFAULT_MODEL, EXIT_OK, EXIT_ROWS_FAILED, MODEL_PANEL, CliError, CpuOffloadOption, Device,
-                              DeviceOption, Dtype, DtypeOption, MaxBatchTokensOption, MaxMemoryPercentOption,
+                              DeviceOption, Dtype, DtypeOption, MaxBatchTokensOption, KernelsOption, MaxMemoryPercentOption,
                               MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption, NumBlocksOption,
                               PageSizeOption, RevisionOption, SafetyMarginOption, SchedulerOption, build_engine_config,
                               load_model, quiet_libraries)
@@ -79,6 +79,7 @@ def bench(
     no_prefix_cache: NoPrefixCacheOption = False,
     cpu_offload_gb: CpuOffloadOption = None,
     max_memory_percent: MaxMemoryPercentOption = None,
+    kernels: KernelsOption = None,
 ) -> int:
     """Measure cbrun against peer engines on the same requests: one table, one run, one machine."""
     from cbrun.bench.peers import PEER_NAMES, PeerContext, Progress
@@ -101,7 +102,7 @@ def bench(
     engine_config = build_engine_config(
         page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_requests_per_batch, scheduler=scheduler, safety_margin=safety_margin,
-        no_prefix_cache=no_prefix_cache, cpu_offload_gb=cpu_offload_gb, max_memory_percent=max_memory_percent)
+        no_prefix_cache=no_prefix_cache, cpu_offload_gb=cpu_offload_gb, max_memory_percent=max_memory_percent, kernels=kernels)
     if threads is not None:
         import torch
 

@@ -39,6 +39,11 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class Kernels(str, Enum):
+    portable = "portable"
+    fastest = "fastest"
+
+
 class Scheduler(str, Enum):
     fifo = "fifo"
     prefill_first = "prefill-first"
@@ -51,8 +56,10 @@ ModelOption = Annotated[str, typer.Option("--model", "-m", help="HF model dir, h
                                           "HF_HUB_OFFLINE=1), .gguf file or alias.", rich_help_panel=MODEL_PANEL)]
 RevisionOption = Annotated[Optional[str], typer.Option(help="Branch, tag or commit of a hub --model.",
                                                        show_default=False, rich_help_panel=MODEL_PANEL)]
-DtypeOption = Annotated[Dtype, typer.Option(help="Weights and compute dtype (auto: fp32 on CPU, bf16 or fp16 on GPU).",
-                                            rich_help_panel=MODEL_PANEL)]
+DtypeOption = Annotated[Dtype, typer.Option(
+    help="Weights and compute dtype (auto: bf16 on CPUs with bf16 dot products, AVX512-BF16 or AMX, whose "
+         "kernel passes its self-check; else fp32; bf16 or fp16 on GPU). `cbrun info` shows the choice.",
+    rich_help_panel=MODEL_PANEL)]
 DeviceOption = Annotated[Device, typer.Option(help="Where to run.", rich_help_panel=MODEL_PANEL)]
 PageSizeOption = Annotated[Optional[int], typer.Option(help="KV-cache page size in tokens.",
                                                        rich_help_panel=ENGINE_PANEL)]
@@ -72,13 +79,17 @@ CpuOffloadOption = Annotated[Optional[float], typer.Option(
     help="CPU swap pool (GiB) for preempted requests; 0 recomputes them.", rich_help_panel=ENGINE_PANEL)]
 MaxMemoryPercentOption = Annotated[Optional[float], typer.Option(
     help="Share of free memory for the KV cache (0.5 or 50).", rich_help_panel=ENGINE_PANEL)]
+KernelsOption = Annotated[Optional[Kernels], typer.Option(
+    help="CPU linear kernels: portable (default; the same bits on every CPU) or fastest (may take a method "
+         "whose bits are this CPU's own, e.g. oneDNN on fixed blocks, when a trial shows it faster; still "
+         "batch-invariant).", show_default=False, rich_help_panel=ENGINE_PANEL)]
 
 
 def build_engine_config(*, page_size: int | None = None, num_blocks: int | None = None,
                         max_batch_tokens: int | None = None, max_requests_per_batch: int | None = None,
                         scheduler: str | None = None, safety_margin: float | None = None,
                         no_prefix_cache: bool = False, cpu_offload_gb: float | None = None,
-                        max_memory_percent: float | None = None):
+                        max_memory_percent: float | None = None, kernels: str | None = None):
     """EngineConfig from command-line values; None keeps EngineConfig's default.
 
     max_memory_percent accepts a fraction (0.5) or a percentage (50).
@@ -94,6 +105,7 @@ def build_engine_config(*, page_size: int | None = None, num_blocks: int | None 
         "scheduler": scheduler.value if isinstance(scheduler, Enum) else scheduler,
         "safety_margin": safety_margin, "allow_block_sharing": False if no_prefix_cache else None,
         "cpu_offload_space": cpu_offload_gb, "max_memory_percent": max_memory_percent,
+        "kernels": kernels.value if isinstance(kernels, Enum) else kernels,
     }
     try:
         return EngineConfig(**{name: value for name, value in given.items() if value is not None})

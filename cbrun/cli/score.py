@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from cbrun.cli.common import (DEFAULT_MODEL, EXIT_ROWS_FAILED, CliError, CpuOffloadOption, Device, DeviceOption,
-                              Dtype, DtypeOption, MaxBatchTokensOption, MaxMemoryPercentOption,
+                              Dtype, DtypeOption, MaxBatchTokensOption, KernelsOption, MaxMemoryPercentOption,
                               MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption, NumBlocksOption,
                               PageSizeOption, SafetyMarginOption, SchedulerOption, build_engine_config,
                               check_input_output, load_model, quiet_libraries)
@@ -91,12 +91,13 @@ def score(
     no_prefix_cache: NoPrefixCacheOption = False,
     cpu_offload_gb: CpuOffloadOption = None,
     max_memory_percent: MaxMemoryPercentOption = None,
+    kernels: KernelsOption = None,
 ) -> int:
     """Score given completions: per-token logprobs (temperature 1), their sum, and whether each was greedy."""
     engine = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
                   max_requests_per_batch=max_requests_per_batch, scheduler=scheduler, safety_margin=safety_margin,
                   no_prefix_cache=no_prefix_cache, cpu_offload_gb=cpu_offload_gb,
-                  max_memory_percent=max_memory_percent)
+                  max_memory_percent=max_memory_percent, kernels=kernels)
     options = ScoreOptions(
         input=input, output=output, model=model, dataset=dataset, split=split, prompt_column=prompt_column,
         chat=chat, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, keep_columns=keep_columns,

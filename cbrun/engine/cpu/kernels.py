@@ -137,6 +137,7 @@ _SIGNATURES = {
     "dp_pack": (_INT, [_P, _P, _I64, _I64, _INT, _P, _INT]),
     "dp_linear": (_INT, [_P, _I64, _INT, _P, _I64, _I64, _INT, _P, _P, _P, _I64, _INT, _I64, _P, _INT, _INT]),
     "dp_block_outputs": (_INT, []),
+    "linear_vec_width": (_INT, []),
 }
 _SIGNATURES["paged_attend_bf16"] = _SIGNATURES["paged_attend_f32"]
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
@@ -168,6 +169,7 @@ class CpuKernels:
             function.restype, function.argtypes = restype, argtypes
         self._lib = library
         self.build_name = Path(library._name).stem  # names the build: sources, flags, compiler, CPU flags
+        self.vector_width = int(library.linear_vec_width())  # fp32 lanes of the linear kernels (8 or 16)
         self.attend_functions = {dtype: getattr(library, name) for dtype, name in self._ATTEND.items()}
         self.max_gd = int(library.paged_attend_max_gd())
         self.segment = int(library.paged_attend_segment())  # keys per online-softmax segment

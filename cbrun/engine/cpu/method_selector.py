@@ -83,3 +83,24 @@ def choose_linear_method(kernels: CpuKernels, dtype: torch.dtype, shapes: list[S
         if not result.passed:
             log.info("linear method %s not used: %s", result.method, result.detail)
     return choice
+
+
+_READY_SHAPES = [Shape(64, 576), Shape(40, 1536)]  # a probe of the instruction before a model is loaded
+
+
+def bf16_dot_products_here() -> tuple[bool, str]:
+    """Whether this CPU has bf16 dot products that serve: it reports AVX512-BF16 or AMX-BF16, the kernels
+    build, and vdpbf16ps passes its self-check (at small shapes; the model's shapes are checked at load).
+    Returns (ready, why) for `--dtype auto` and `cbrun info`."""
+    from cbrun.engine.cpu.kernels import cpu_flags, load_cpu_kernels
+
+    flags = set(cpu_flags().split())
+    if not flags & {"avx512_bf16", "amx_bf16"}:
+        return False, "the CPU has no bf16 dot products (AVX512-BF16 or AMX)"
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        return False, "the compiled kernels are unavailable"
+    result = check_method(kernels, DP_ISA, _READY_SHAPES, cache_key=kernels.build_name)
+    if not result.passed:
+        return False, f"vdpbf16ps failed its self-check: {result.detail}"
+    return True, "vdpbf16ps passed its self-check"
