@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -56,6 +57,13 @@ def grammar_text(spec: StructuredSpec) -> str:
         return llguidance.grammar_from("regex" if spec.kind == "regex" else "grammar", spec.value)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"{spec.kind}: {exc}") from None
+
+
+def one_line(message: str) -> str:
+    """llguidance's multi-line diagnostics as one line: the source excerpts and carets dropped."""
+    kept = [line.strip() for line in message.splitlines()
+            if line.strip().strip("^").strip() and not re.match(r"\s*\d+ \|", line)]
+    return " ".join(kept)
 
 
 class GrammarCompiler:
@@ -109,10 +117,10 @@ class GrammarCompiler:
             return f"{spec.kind}: the tokenizer cannot be used for structured outputs: {exc}"
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if failed:
-            return f"{spec.kind}: does not compile: {'; '.join(m.strip() for m in messages)}"
+            return f"{spec.kind}: does not compile: {'; '.join(one_line(m) for m in messages)}"
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            return f"{spec.kind}: does not compile: {matcher.get_error().strip()}"
+            return f"{spec.kind}: does not compile: {one_line(matcher.get_error())}"
         return matcher
 
     def _llg_tokenizer(self):
