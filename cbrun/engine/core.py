@@ -90,6 +90,9 @@ class EngineCore:
     def close(self) -> None:
         """Give the model back as it came, apart from its attention implementation."""
         self.backend.close()
+        if self._stash is not None:  # closed asleep at level 2: the weights go back into the model
+            self._stash.restore()
+            self._stash = None
         if self._masks is not None:
             self._masks.close()
 
