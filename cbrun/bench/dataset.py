@@ -4,7 +4,8 @@ Reuses `cbrun generate`'s readers and prompt builder (cbrun.data), so any
 input it accepts works here (JSONL, JSON, Parquet, saved HF datasets) with the
 same rules: `prompt` text is tokenized as the engine would, `messages` go
 through the chat template with a generation prompt, `input_ids` are used as
-is, and a row's own `max_tokens` overrides `--output-len`. Rows that cannot
+is, and a row's own `max_tokens` overrides `--output-len`; a row's structured-output
+constraint (`json_schema`, `regex`, `choice`, `grammar`, `json_object`) goes to every engine. Rows that cannot
 run are skipped and reported, since a benchmark needs valid requests only.
 """
 
@@ -22,6 +23,7 @@ TOKENIZE_WINDOW = 256
 class DatasetPrompts:
     prompts: list[list[int]] = field(default_factory=list)
     output_lens: list[int] = field(default_factory=list)
+    structured: list = field(default_factory=list)  # per prompt: the row's StructuredSpec or None
     skipped: list[str] = field(default_factory=list)  # each message names the row
 
 
@@ -48,6 +50,7 @@ def read_dataset(path: str | Path, tokenizer, *, output_len: int, max_context: i
             elif limit is None or len(result.prompts) < limit:
                 result.prompts.append(list(row.token_ids))
                 result.output_lens.append(row.sampling.max_tokens)
+                result.structured.append(row.sampling.structured)
         window.clear()
 
     for raw in source:
@@ -84,5 +87,6 @@ def dataset_workload(
     if not data.prompts:
         detail = f" ({data.skipped[0]})" if data.skipped else ""
         raise ValueError(f"{path}: no usable prompt rows{detail}")
-    workload = Workload(data.prompts, data.output_lens, n, ignore_eos, temperature, seed, str(path))
+    structured = data.structured if any(s is not None for s in data.structured) else None
+    workload = Workload(data.prompts, data.output_lens, n, ignore_eos, temperature, seed, str(path), structured)
     return workload, data.skipped

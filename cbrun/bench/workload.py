@@ -11,6 +11,7 @@ generator, so a given seed yields the same workload on every run.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -29,10 +30,21 @@ class Workload:
     temperature: float = 1.0
     seed: int = 0
     source: str = "random"
+    structured: list[Any] | None = None  # one StructuredSpec or None per prompt (structured outputs)
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.output_lens):
             raise ValueError("prompts and output_lens must have the same length")
+        if self.structured is not None and len(self.structured) != len(self.prompts):
+            raise ValueError("structured must give one constraint (or None) per prompt")
+
+    @property
+    def is_structured(self) -> bool:
+        return self.structured is not None and any(s is not None for s in self.structured)
+
+    def constraint(self, index: int):
+        """Prompt `index`'s StructuredSpec, or None."""
+        return self.structured[index] if self.structured is not None else None
 
     @property
     def num_prompts(self) -> int:
@@ -121,7 +133,9 @@ def warmup_workload(workload: Workload, token_ids: np.ndarray) -> Workload:
     rng = np.random.default_rng(workload.seed + 7919)
     prompts = [rng.choice(token_ids, size=mean_len).tolist() for _ in range(count)]
     output_lens = [min(WARMUP_MAX_OUTPUT, max(workload.output_lens))] * count
-    return replace(workload, prompts=prompts, output_lens=output_lens, n=1, source="warmup")
+    structured = None if workload.structured is None else [workload.structured[i % workload.num_prompts]
+                                                           for i in range(count)]
+    return replace(workload, prompts=prompts, output_lens=output_lens, n=1, source="warmup", structured=structured)
 
 
 def _check_workload_args(num_prompts, input_len, output_len, range_ratio, prefix_len, n) -> None:

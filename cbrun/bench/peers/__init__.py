@@ -59,6 +59,8 @@ def peer_runner(name: str) -> Callable[[PeerContext, Workload, Workload], PeerRe
     """The run function of peer `name` (imported lazily: peers pull in heavy libraries)."""
     if name == "cbrun":
         from cbrun.bench.peers.cbrun_peer import run
+    elif name == "cbrun-free":
+        from cbrun.bench.peers.cbrun_peer import run_free as run
     elif name == "transformers":
         from cbrun.bench.peers.transformers_peer import run
     elif name == "hf-static":
@@ -70,4 +72,4 @@ def peer_runner(name: str) -> Callable[[PeerContext, Workload, Workload], PeerRe
     return run
 
 
-PEER_NAMES = ("cbrun", "transformers", "hf-static", "vllm")
+PEER_NAMES = ("cbrun", "cbrun-free", "transformers", "hf-static", "vllm")

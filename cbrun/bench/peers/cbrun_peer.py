@@ -12,7 +12,17 @@ import time
 
 from cbrun.bench.peers import PeerContext
 from cbrun.bench.result import PeerResult, PeerUnavailable
+from cbrun.bench.structured import Validity
 from cbrun.bench.workload import Workload
+
+
+def run_free(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
+    """Peer `cbrun-free`: the same prompts with their structured-output constraints dropped."""
+    from dataclasses import replace
+
+    result = run(ctx, replace(workload, structured=None), replace(warmup, structured=None))
+    result.engine = "cbrun-free"
+    return result
 
 
 def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
@@ -46,10 +56,14 @@ def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str | None) -
     counts = [0] * workload.num_prompts
     ttfts: list[float] = []
     errors: list[str] = []
+    validity = Validity() if workload.is_structured else None
     start = time.perf_counter()
     index_of, calls = _submit(engine, workload)
     for done, out in enumerate(engine, start=1):
         counts[index_of[out.request_id]] += len(out.token_ids)
+        spec = workload.constraint(index_of[out.request_id])
+        if validity is not None and spec is not None and out.ok:
+            validity.add(spec, out.text, out.finish_reason)
         if out.ttft_s is not None:
             ttfts.append(out.ttft_s)
         if not out.ok:
@@ -63,6 +77,9 @@ def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str | None) -
         result.notes.append(f"submitted in {calls} add_requests calls (one per distinct output length)")
     if errors:
         result.notes.append(f"{len(errors)} requests failed, first: {errors[0]}")
+    if validity is not None:
+        result.notes.append(validity.note())
+        result.details["structured"] = validity.as_dict()
     return result
 
 
@@ -75,7 +92,7 @@ def _submit(engine, workload: Workload) -> tuple[dict[str, int], int]:
     from cbrun.engine import SamplingParams
 
     params = [SamplingParams(max_tokens=length, temperature=workload.temperature, ignore_eos=workload.ignore_eos,
-                             n=workload.n, seed=workload.request_seed(i))
+                             n=workload.n, seed=workload.request_seed(i), structured=workload.constraint(i))
               for i, length in enumerate(workload.output_lens)]
     ids = [f"bench-{i}" for i in range(workload.num_prompts)]
     engine.add_requests(workload.prompts, params, request_ids=ids)

@@ -60,8 +60,9 @@ def run_pass(llm, spec):
             # no per-request seed: vLLM 0.32's CPU sampler fails on seeded requests
             # ("CPU Generator does not use offset"); the engine-wide seed still applies
             seed=None,
+            **structured_kwargs(constraint),
         )
-        for length in spec["output_lens"]
+        for length, constraint in zip(spec["output_lens"], spec.get("structured") or [None] * len(spec["prompts"]))
     ]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -71,12 +72,29 @@ def run_pass(llm, spec):
         latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
         if latency and latency > 0:
             ttfts.append(latency)
+    texts = None
+    if spec.get("structured"):  # the parent checks them against the constraints
+        texts = [[(c.text, c.finish_reason) for c in out.outputs] for out in outputs]
     return {
+        "outputs": texts,
         "wall_s": wall_s,
         "output_counts": [sum(len(c.token_ids) for c in out.outputs) for out in outputs],
         "prompt_tokens": sum(len(out.prompt_token_ids or []) for out in outputs),
         "ttfts": ttfts,
     }
+
+
+def structured_kwargs(constraint):
+    """SamplingParams keyword for a constraint ({"json": schema} / {"regex": ...} / ...), by vLLM version."""
+    if not constraint:
+        return {}
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError:  # vLLM before 0.11
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(**constraint)}
+    return {"structured_outputs": StructuredOutputsParams(**constraint)}
 
 
 def main(argv):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from cbrun.bench.peers import PeerContext, vllm_child
 from cbrun.bench.result import PeerResult, PeerUnavailable
+from cbrun.bench.structured import Validity, vllm_constraint
 from cbrun.bench.workload import Workload
 
 LOG_TAIL_LINES = 30
@@ -65,6 +66,14 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
         threads_bind=env.get("VLLM_CPU_OMP_THREADS_BIND"),
     )
     result.notes.append(f"vLLM {figures.get('vllm_version')} ({where}), start-up {figures.get('startup_s', 0):.0f}s excluded")
+    if workload.is_structured and figures.get("outputs") is not None:  # checked here, as cbrun's are
+        validity = Validity()
+        for index, samples in enumerate(figures["outputs"]):
+            spec = workload.constraint(index)
+            for text, reason in samples if spec is not None else ():
+                validity.add(spec, text, reason)
+        result.notes.append(validity.note())
+        result.details["structured"] = validity.as_dict()
     return result
 
 
@@ -87,6 +96,8 @@ def _pass_spec(workload: Workload) -> dict:
         "ignore_eos": workload.ignore_eos,
         "temperature": workload.temperature,
         "seed": workload.seed,
+        "structured": ([vllm_constraint(workload.constraint(i)) for i in range(workload.num_prompts)]
+                       if workload.is_structured else None),
     }
 
 
