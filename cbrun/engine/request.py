@@ -44,6 +44,10 @@ class GenerationOutput:
     when greedy), before top-k/top-p/min-p filtering.
     top_logprobs[i] is a list of (token_id, logprob) pairs, most likely first,
     present only when the request asked for top_logprobs > 0.
+    structured_complete: None without a constraint; else whether the output
+    completed its grammar (False: cut by max_tokens or a stop string, not valid).
+    With a constraint, logprobs are the model's before the grammar mask unless
+    the request set `masked_logprobs`.
 
     Scoring requests (`Engine.add_score_request`) fill the same fields for the
     given completion: token_ids is the completion, logprobs its teacher-forced
