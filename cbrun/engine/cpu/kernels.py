@@ -30,6 +30,7 @@ same results up to rounding (and are the reference in tests).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -45,7 +46,14 @@ import torch
 log = logging.getLogger("cbrun.engine")
 
 _SOURCES = Path(__file__).with_name("csrc")  # *.c built into one library, with their shared header
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+# CBRUN_KERNEL_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2 only), for a cluster's
+# lowest common ISA or to check that an AVX2 build gives the same bits here
+_MARCH = os.environ.get("CBRUN_KERNEL_MARCH") or "native"
+_FLAGS = ["-O3", f"-march={_MARCH}", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+# GCC's tuning for some CPUs (Zen: avoid-fma-max-bits) keeps reduction chains as a multiply and an add instead
+# of a fused multiply-add, so a kernel's sums would round differently on an AMD and an Intel machine (measured:
+# the fp32 attention differed between -march=znver3 and -march=sapphirerapids builds). Form FMAs everywhere.
+_GCC_FLAGS = ["--param=avoid-fma-max-bits=0"]
 _lock = threading.Lock()
 _kernel: "CpuKernels | None" = None
 _tried = False
@@ -66,6 +74,21 @@ def _compiler() -> str:
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     return compiler
+
+
+def _flags(compiler: str) -> list[str]:
+    """The build's flags for this compiler (GCC gets its FMA-forming parameter)."""
+    return [*_FLAGS, *(_GCC_FLAGS if _is_gcc(compiler) else [])]
+
+
+@functools.lru_cache(maxsize=None)
+def _is_gcc(compiler: str) -> bool:
+    """GCC (not clang, which also defines __GNUC__): its --version names the Free Software Foundation."""
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "Free Software Foundation" in out and "clang" not in out.lower()
 
 
 def _compiler_version(compiler: str) -> str:
@@ -99,7 +122,7 @@ def _digest(compiler: str, extra_flags: tuple[str, ...] = ()) -> str:
     content = hashlib.sha256()
     for path in sorted([*_sources(), *_SOURCES.glob("*.h")]):
         content.update(path.name.encode() + path.read_bytes())
-    content.update(" ".join(_FLAGS).encode() + sys.platform.encode())
+    content.update(" ".join(_flags(compiler)).encode() + sys.platform.encode())
     content.update(_compiler_version(compiler).encode() + cpu_flags().encode())
     if extra_flags:  # none: the default build's name, as before
         content.update(b"\0extra\0" + "\0".join(extra_flags).encode())
@@ -110,7 +133,7 @@ def _compile(compiler: str, sources: list[Path], target: Path, extra_flags: tupl
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *_FLAGS, *extra_flags, *map(str, sources), "-o", str(built), "-lm"], check=True,
+        subprocess.run([compiler, *_flags(compiler), *extra_flags, *map(str, sources), "-o", str(built), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(built, target)  # atomic: concurrent builders never see half a file
 
