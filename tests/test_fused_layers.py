@@ -101,30 +101,38 @@ class _CountingKernels:
         return counted
 
 
-def _load(directory):
+def _load(directory, dtype="float32"):
     from cbrun.models import load_model
 
-    model, _ = load_model(str(directory), dtype="float32", device="cpu")
+    model, _ = load_model(str(directory), dtype=dtype, device="cpu")
     return model
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_mistral_sliding_dir"])
-def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, request):
+def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, dtype, request):
+    """fp32: the stock function up to summation order. bf16: up to where it rounds (the stock forward rounds
+    after every op, the fused one keeps the residual stream and the norms in fp32 within a layer)."""
     from cbrun.engine.cpu.fused_layers import install_fused_layers, uninstall
+    from cbrun.engine.cpu.linear_methods import DP_TWIN
 
-    model = _load(request.getfixturevalue(fixture))
+    model = _load(request.getfixturevalue(fixture), dtype)
+    method, tolerance = (F32, 1e-4) if dtype == "float32" else (DP_TWIN, 6e-2)
     model.set_attn_implementation("sdpa")
     torch.manual_seed(7)
     spy = _CountingKernels(kernels)
     with torch.inference_mode():
         inputs = [torch.randint(3, 500, (1, n)) for n in (4, 265)]
         expected = [model(ids, use_cache=False).logits for ids in inputs]
-        installed = install_fused_layers(model, spy, F32)
+        installed = install_fused_layers(model, spy, method)
         assert installed == list(model.model.layers)
         assert model.config._attn_implementation == "sdpa"  # the probe puts it back
         for ids, reference in zip(inputs, expected):
             spy.calls.clear()
-            assert torch.allclose(model(ids, use_cache=False).logits, reference, atol=1e-4, rtol=1e-4)
+            logits = model(ids, use_cache=False).logits
+            assert logits.dtype == reference.dtype
+            scale = reference.float().abs().max().item()
+            assert torch.allclose(logits.float(), reference.float(), atol=tolerance * scale, rtol=tolerance)
             assert spy.calls["rope"] == len(installed)  # the fused forward ran in every layer
         uninstall(installed)
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)

@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args
 SchedulerName = Literal["fifo", "prefill-first"]
 BackendName = Literal["auto", "cpu", "triton", "torch"]
 BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
+KernelPolicy = Literal["portable", "fastest"]
+KERNEL_POLICIES: tuple[str, ...] = get_args(KernelPolicy)
 
 
 class ConfigError(ValueError):
@@ -54,6 +56,11 @@ class EngineConfig:
     backend: what computes the model (backend.py): "auto" (the compiled
         kernels on CPU, Triton on CUDA, the torch reference where neither
         can run), "cpu", "triton" or "torch" (the reference).
+    kernels: which linear methods the CPU backend may choose at load
+        (cpu/method_selector.py): "portable" (the same bits on every CPU:
+        vdpbf16ps or its exact twin for bf16) or "fastest" (also methods
+        whose bits are this CPU's own, such as oneDNN on fixed blocks, when
+        a timed trial shows them faster; still batch-invariant).
     """
 
     page_size: int = 16
@@ -67,6 +74,7 @@ class EngineConfig:
     max_memory_percent: float = 0.5
     prefault_blocks: int = 0
     backend: BackendName = "auto"
+    kernels: KernelPolicy = "portable"
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 4, f"page_size must be at least 4, got {self.page_size}")
@@ -90,6 +98,8 @@ class EngineConfig:
         _check(self.backend in BACKEND_NAMES,
                f"backend must be one of {', '.join(BACKEND_NAMES)}, got {self.backend!r}")
         _check(self.cpu_offload_space >= 0, f"cpu_offload_space must be >= 0, got {self.cpu_offload_space}")
+        _check(self.kernels in KERNEL_POLICIES,
+               f"kernels must be one of {', '.join(KERNEL_POLICIES)}, got {self.kernels!r}")
         _check(
             0.0 < self.max_memory_percent <= 1.0,
             f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}",

@@ -74,7 +74,7 @@ class EngineCore:
             self.cache.pool.touched = prefault
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
-        self.backend = choose_backend(model, config.backend, self.spec)  # kernels, linears, attention, sampler
+        self.backend = choose_backend(model, config.backend, self.spec, config.kernels)  # kernels, linears, attention, sampler
         self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
                                     self.spec.sliding_window, self.device, self.backend)
         self.runner = ModelRunner(model, self.backend)

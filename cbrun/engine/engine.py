@@ -312,6 +312,16 @@ class Engine:
         with self._lock:
             return self.core.stats()
 
+    def linear_kernels(self) -> str:
+        """The linear method serving each weight dtype and whether its bits are the same on every CPU
+        (the CPU backend's choice at load), or the backend's name where it has no such choice."""
+        methods = getattr(self.core.backend, "method_choices", None)
+        if not methods:
+            return self.core.backend.name
+        return "; ".join(f"{str(c.dtype).removeprefix('torch.')} {c.method.name if c.method else 'none'}"
+                         f" ({'same bits on every CPU' if c.method and c.method.portable else 'this CPU only'})"
+                         for c in methods)
+
     # -- weights and memory between rollouts -----------------------------------
     def update_weights(self, weights: WeightSource) -> int:
         """Load new weights into the running engine; returns how many tensors were written.

@@ -55,7 +55,7 @@ class CpuBackend(TorchBackend):
         methods: dict[torch.dtype, LinearMethod] = {c.dtype: c.method for c in self.method_choices
                                                     if c.method is not None}
         self.linears = install_linear_methods(model, self.kernels, methods)
-        self.fused_layers = install_fused_layers(model, self.kernels, methods.get(torch.float32))
+        self.fused_layers = install_fused_layers(model, self.kernels, methods.get(_dtype_of(model)))
         kv = spec.kv
         self.attends_rows = not spec.softcaps_attention and \
             self.kernels.supports_attention(kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim)
@@ -103,3 +103,8 @@ class CpuBackend(TorchBackend):
         """The method serving each weight dtype ("float32" -> "f32"), for run summaries and `cbrun info`."""
         return {str(c.dtype).removeprefix("torch."): c.method.name if c.method else "none"
                 for c in self.method_choices}
+
+
+def _dtype_of(model) -> torch.dtype | None:
+    """The dtype of the model's first floating-point parameter (its compute dtype)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)

@@ -42,7 +42,9 @@ _HEAD_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 _CACHE_KWARGS = ("cache", "past_key_values")
 _PROBE_TOKENS = (5, 259)  # a decode-sized step and a prefill-sized one
-_PROBE_TOLERANCE = 1e-4  # relative to the output's largest magnitude
+# relative to the output's largest magnitude: fp32 sums in another order; bf16 rounds at other points than the
+# stock forward (which rounds after every op) but a wrong formula still misses by O(1)
+_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2}
 
 
 @dataclass
@@ -68,6 +70,7 @@ class LayerPlan:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    dtype: torch.dtype = torch.float32  # the layer's weights and hidden states (float32 or bfloat16)
     # the layer methods, made once at install: q|k|v in one pass, o, silu(gate) * up in one pass, down
     qkv_method: LayerMethod | None = None
     o_method: LayerMethod | None = None
@@ -127,20 +130,20 @@ def fused_forward(plan: LayerPlan, kernels, stock_forward, hidden_states: torch.
                   attention_mask: torch.Tensor | None = None, position_embeddings=None, **kwargs) -> torch.Tensor:
     """The decoder layer's forward: hidden [1, T, hidden] -> [1, T, hidden]."""
     function = ALL_ATTENTION_FUNCTIONS.get_interface(plan.attention.config._attn_implementation, None)
-    if function is None or position_embeddings is None or hidden_states.dtype != torch.float32 \
+    if function is None or position_embeddings is None or hidden_states.dtype != plan.dtype \
             or hidden_states.shape[0] != 1 or hidden_states.stride(-1) != 1 \
             or any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
         # not the engine's call: the stock forward
         return stock_forward(hidden_states, attention_mask=attention_mask,
                              position_embeddings=position_embeddings, **kwargs)
-    x = hidden_states[0]  # [T, hidden]
+    x = hidden_states[0].float()  # [T, hidden] fp32 (bf16 widens exactly): the residual stream within the layer
     normed, _ = kernels.rmsnorm(x, plan.input_norm.weight, plan.input_norm.eps)
     attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask,
                           kwargs)  # [T, H * D]
-    projected = plan.o_method(attended)  # [T, hidden]
+    projected = plan.o_method(attended, torch.float32)  # [T, hidden]
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
-    gated = plan.gated_method(normed)  # [T, I]
-    return (residual + plan.down_method(gated)).unsqueeze(0)
+    gated = plan.gated_method(normed, plan.dtype)  # [T, I]: the down projection reads it in the model's dtype
+    return (residual + plan.down_method(gated, torch.float32)).to(plan.dtype).unsqueeze(0)
 
 
 def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, position_embeddings, attention_mask,
@@ -148,13 +151,14 @@ def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, positio
     """normed [T, hidden] -> attention output [T, H * D] through the model's attention function."""
     tokens = normed.shape[0]
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
-    qkv = plan.qkv_method(normed)  # [T, (H + 2 H_kv) D]
+    qkv = plan.qkv_method(normed, torch.float32)  # [T, (H + 2 H_kv) D] fp32 sums
     if plan.q_norm is not None:
         qkv[:, : heads * dim], _ = kernels.rmsnorm(qkv[:, : heads * dim], plan.q_norm.weight, plan.q_norm.eps)
         k_cols = slice(heads * dim, (heads + kv_heads) * dim)
         qkv[:, k_cols], _ = kernels.rmsnorm(qkv[:, k_cols], plan.k_norm.weight, plan.k_norm.eps)
     cos, sin = _rope_tables(position_embeddings)  # [T, D] each
     kernels.rope(qkv, heads + kv_heads, cos, sin)  # q and k heads are adjacent
+    qkv = qkv.to(plan.dtype)  # the attention and the KV cache in the model's dtype
     per_head = qkv.view(tokens, heads + 2 * kv_heads, dim).transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]
     query = per_head[:, :heads]
     key = per_head[:, heads: heads + kv_heads]
@@ -217,7 +221,7 @@ def _plan(layer, method: LinearMethod) -> LayerPlan | None:
     return LayerPlan(
         attention=attention, input_norm=norms[0], post_norm=norms[1], q_norm=head_norms[0], k_norm=head_norms[1],
         qkv=[q, k, v], o_proj=o, gate=mlp.gate_proj, up=mlp.up_proj, down=mlp.down_proj,
-        num_heads=q.out_features // dim, num_kv_heads=k.out_features // dim, head_dim=dim,
+        num_heads=q.out_features // dim, num_kv_heads=k.out_features // dim, head_dim=dim, dtype=q.weight.dtype,
     )
 
 
@@ -229,10 +233,10 @@ def _norm(module) -> Norm | None:
     """An RMS norm's weight and epsilon, if it has the usual attributes (its formula is probed later)."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.dtype != torch.float32 \
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.dtype not in (torch.float32, torch.bfloat16) \
             or not weight.is_contiguous() or not isinstance(eps, float):
         return None
-    return Norm(weight.detach(), eps)
+    return Norm(weight.detach().float().contiguous(), eps)  # fp32 (a bf16 weight widened, exactly)
 
 
 @torch.inference_mode()
@@ -241,7 +245,7 @@ def _probe(layer, plan: LayerPlan, kernels, rotary) -> bool:
     generator = torch.Generator().manual_seed(0)
     hidden = plan.input_norm.weight.numel()
     for tokens in _PROBE_TOKENS:
-        x = torch.randn(1, tokens, hidden, generator=generator)
+        x = torch.randn(1, tokens, hidden, generator=generator).to(plan.dtype)
         positions = torch.arange(3, 3 + tokens).unsqueeze(0)
         embeddings = rotary(x, positions)
         try:
@@ -253,7 +257,7 @@ def _probe(layer, plan: LayerPlan, kernels, rotary) -> bool:
             return False
         expected = expected[0] if isinstance(expected, tuple) else expected
         scale = expected.abs().max().item() or 1.0
-        if not torch.allclose(fused, expected, rtol=0, atol=_PROBE_TOLERANCE * scale):
+        if not torch.allclose(fused.float(), expected.float(), rtol=0, atol=_PROBE_TOLERANCE[plan.dtype] * scale):
             log.info("fused layer differs from %s's forward (max error %.3g); keeping the stock one",
                      type(layer).__name__, (fused - expected).abs().max().item())
             return False
