@@ -95,7 +95,7 @@ def build_report(config: dict, machine: dict, results: list[PeerResult], ceiling
 
 def _entry(r: PeerResult, cbrun: PeerResult | None, ceiling: dict | None, check: str | None, run_dtype: str,
            computed_input_tokens: int | None) -> dict:
-    entry = {"engine": r.engine, "status": r.status, "reason": r.reason}
+    entry = {"engine": r.engine, "status": r.status, "reason": r.reason, "dtype": r.dtype or run_dtype}
     if not r.ok:
         return entry
     ratio = r.output_tokens_per_s / cbrun.output_tokens_per_s if cbrun and cbrun.output_tokens_per_s else None
@@ -146,17 +146,18 @@ def print_report(report: dict, file=None) -> None:
     console = Console(file=file, width=None if file.isatty() else 200, highlight=False, soft_wrap=True)
     table = Table(title="cbrun bench")
     table.add_column("engine")
+    table.add_column("dtype")
     run_dtype = report["config"].get("dtype_resolved", "")
     for header, _, _ in TABLE_COLUMNS:
         table.add_column(header.format(dtype=run_dtype).strip(), justify="right")
     for e in report["results"]:
         if e["status"] != "ok":
-            table.add_row(e["engine"], e["status"], *[""] * (len(TABLE_COLUMNS) - 1))
+            table.add_row(e["engine"], "", e["status"], *[""] * (len(TABLE_COLUMNS) - 1))
             continue
         cells = [fmt(e[key], digits) for _, key, digits in TABLE_COLUMNS]
         if e["output_count_check"] != "ok":
             cells[-1] += " MISMATCH" if report["config"].get("ignore_eos") else " (differs)"
-        table.add_row(e["engine"], *cells)
+        table.add_row(e["engine"], e.get("dtype") or "", *cells)
     console.print(table)
     for line in report_lines(report):
         console.print(line, markup=False)

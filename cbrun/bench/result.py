@@ -21,6 +21,7 @@ class PeerResult:
 
     engine: str
     status: str = "ok"  # "ok" | "unavailable" | "failed"
+    dtype: str | None = None  # the dtype the engine computed in (each engine runs its own default unless told)
     reason: str | None = None
     wall_s: float = 0.0
     num_requests: int = 0

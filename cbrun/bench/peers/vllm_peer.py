@@ -37,7 +37,7 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
     job = {
         "model": str(model_dir),
         "tokenizer": str(model_dir),
-        "dtype": str(ctx.dtype).removeprefix("torch."),
+        "dtype": ctx.vllm_dtype,  # "auto": vLLM picks, as a user who runs it as installed gets
         "seed": workload.seed,
         "max_model_len": max(workload.max_total_len, warmup.max_total_len),
         "warmup": _pass_spec(warmup),
@@ -46,12 +46,13 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
     }
     env = vllm_environment(ctx.device, ctx.threads)
     if "VLLM_CPU_KVCACHE_SPACE" not in env:  # vLLM would reserve 92% of the memory node and refuse to start
-        job["llm_kwargs"]["kv_cache_memory_bytes"] = kv_cache_bytes(ctx.model, ctx.dtype, workload)
+        job["llm_kwargs"]["kv_cache_memory_bytes"] = kv_cache_bytes(ctx.model, _torch_dtype(ctx), workload)
     where = "in-process" if python is None else python
     ctx.progress.message(f"[vllm] starting vLLM ({where}; start-up takes minutes), threads bind {env.get('VLLM_CPU_OMP_THREADS_BIND', '-')}")
     figures = _run_in_process(job, env) if python is None else _run_child(python, job, env, ctx)
     result = PeerResult(
         "vllm",
+        dtype=figures.get("dtype") or ctx.vllm_dtype,
         wall_s=figures["wall_s"],
         num_requests=workload.num_prompts,
         num_input_tokens=workload.num_input_tokens,
@@ -75,6 +76,14 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
         result.notes.append(validity.note())
         result.details["structured"] = validity.as_dict()
     return result
+
+
+def _torch_dtype(ctx: PeerContext):
+    """The dtype vLLM will compute in as far as the parent can tell (for sizing its KV cache)."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        ctx.vllm_dtype, torch.bfloat16)  # auto: vLLM's CPU and GPU default for these checkpoints
 
 
 def _interpreter(vllm_python: str | None) -> str | None:
