@@ -2,8 +2,16 @@
 
 __version__ = "0.1.0"
 
-_LLM_API = ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "UnsupportedFieldError",
-            "StructuredOutputsParams", "GuidedDecodingParams")
+_LLM_API = (
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "UnsupportedFieldError",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
+)
 __all__ = ["__version__", *_LLM_API]
 
 

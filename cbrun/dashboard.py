@@ -13,6 +13,7 @@ a progress object with `rows_total`, `rows_done`, `rows_failed` (and optionally
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -59,8 +60,16 @@ class Dashboard:
     interval: seconds between plain progress lines.
     """
 
-    def __init__(self, stats: Callable[[], StatsSnapshot], progress: Any, *, stream: TextIO | None = None,
-                 live: bool | None = None, interval: float = 5.0, title: str = "cbrun"):
+    def __init__(
+        self,
+        stats: Callable[[], StatsSnapshot],
+        progress: Any,
+        *,
+        stream: TextIO | None = None,
+        live: bool | None = None,
+        interval: float = 5.0,
+        title: str = "cbrun",
+    ):
         self._stats_fn = stats
         self.progress = progress
         self.stream = stream or sys.stderr
@@ -77,7 +86,7 @@ class Dashboard:
 
     # --- lifecycle -----------------------------------------------------------------
 
-    def __enter__(self) -> "Dashboard":
+    def __enter__(self) -> Dashboard:
         self.start()
         return self
 
@@ -88,8 +97,14 @@ class Dashboard:
         if self.live:
             from rich.live import Live
 
-            self._live = Live(get_renderable=self.renderable, console=self.console, refresh_per_second=4,
-                              transient=False, redirect_stdout=False, redirect_stderr=False)
+            self._live = Live(
+                get_renderable=self.renderable,
+                console=self.console,
+                refresh_per_second=4,
+                transient=False,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
             self._live.start()
         else:
             self._thread = threading.Thread(target=self._print_lines, name="cbrun-dashboard", daemon=True)
@@ -116,10 +131,8 @@ class Dashboard:
 
     def stats(self) -> StatsSnapshot:
         """The engine's snapshot; the last one if the engine cannot answer (it is stopping)."""
-        try:
+        with contextlib.suppress(Exception):  # a stopped engine must not kill the dashboard
             self._last = self._stats_fn()
-        except Exception:  # a stopped engine must not kill the dashboard
-            pass
         return self._last
 
     def _eta(self) -> float | None:
@@ -138,12 +151,14 @@ class Dashboard:
         p = self.progress
         total = f"/{p.rows_total}" if p.rows_total is not None else ""
         percent = f" ({100 * p.rows_done / p.rows_total:.1f}%)" if p.rows_total else ""
-        return (f"[{self.title}] rows {p.rows_done}{total}{percent} eta {format_duration(self._eta())} | "
-                f"in {tin:.0f} tok/s out {tout:.0f} tok/s {rps:.1f} req/s | "
-                f"pending {s.pending} prefilling {s.prefilling} decoding {s.decoding} | "
-                f"kv {s.kv_occupancy:.0%} (used {s.blocks_used} cached {s.blocks_cached} free {s.blocks_free}) | "
-                f"prefix hit {s.prefix_hit_rate:.0%} | offloads {s.offloads} soft resets {s.soft_resets} | "
-                f"errors {p.rows_failed}")
+        return (
+            f"[{self.title}] rows {p.rows_done}{total}{percent} eta {format_duration(self._eta())} | "
+            f"in {tin:.0f} tok/s out {tout:.0f} tok/s {rps:.1f} req/s | "
+            f"pending {s.pending} prefilling {s.prefilling} decoding {s.decoding} | "
+            f"kv {s.kv_occupancy:.0%} (used {s.blocks_used} cached {s.blocks_cached} free {s.blocks_free}) | "
+            f"prefix hit {s.prefix_hit_rate:.0%} | offloads {s.offloads} soft resets {s.soft_resets} | "
+            f"errors {p.rows_failed}"
+        )
 
     def renderable(self):
         """The live view: a progress bar and a grid of engine figures."""
@@ -152,16 +167,21 @@ class Dashboard:
         p = self.progress
         total = p.rows_total
         head = Table.grid(padding=(0, 1))
-        head.add_row(Text(self.title, style="bold"),
-                     ProgressBar(total=total or None, completed=p.rows_done, width=40),
-                     Text(f"{p.rows_done}/{total if total is not None else '?'} rows"),
-                     Text(f"eta {format_duration(self._eta())}", style="cyan"))
+        head.add_row(
+            Text(self.title, style="bold"),
+            ProgressBar(total=total or None, completed=p.rows_done, width=40),
+            Text(f"{p.rows_done}/{total if total is not None else '?'} rows"),
+            Text(f"eta {format_duration(self._eta())}", style="cyan"),
+        )
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="dim")
         grid.add_column()
         grid.add_row("throughput", f"in {tin:,.0f} tok/s   out {tout:,.0f} tok/s   {rps:,.1f} req/s")
-        grid.add_row("requests", f"pending {s.pending}   prefilling {s.prefilling}   decoding {s.decoding}"
-                                 + (f"   offloaded {s.offloaded}" if s.offloaded else ""))
+        grid.add_row(
+            "requests",
+            f"pending {s.pending}   prefilling {s.prefilling}   decoding {s.decoding}"
+            + (f"   offloaded {s.offloaded}" if s.offloaded else ""),
+        )
         grid.add_row("kv cache", kv_bar(s))
         grid.add_row("prefix cache", f"hit rate {s.prefix_hit_rate:.1%} ({s.prefix_hit_tokens:,} tokens)")
         grid.add_row("preemption", f"offloads {s.offloads}   restores {s.restores}   soft resets {s.soft_resets}")
@@ -217,15 +237,16 @@ def kv_bar(s: StatsSnapshot, width: int = KV_BAR_WIDTH) -> Text:
     bar.append("█" * used, style="red")
     bar.append("█" * cached, style="yellow")
     bar.append("█" * (width - used - cached), style="green")
-    bar.append(f" {s.kv_occupancy:.0%} used {s.blocks_used} cached {s.blocks_cached} free {s.blocks_free}"
-               f" / {s.blocks_total}")
+    bar.append(
+        f" {s.kv_occupancy:.0%} used {s.blocks_used} cached {s.blocks_cached} free {s.blocks_free} / {s.blocks_total}"
+    )
     return bar
 
 
 def format_duration(seconds: float | None) -> str:
     if seconds is None:
         return "--:--"
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"

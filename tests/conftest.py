@@ -25,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # so test modules can `from helpers import ...`
 
-from helpers import TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_model, write_llama_gguf  # noqa: E402
+from helpers import TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_model, write_llama_gguf
 
 SLIDING_WINDOW = 32  # small, so ordinary test prompts exceed it
 
@@ -189,8 +189,10 @@ def _real_model_only_in_the_slow_tier(request, monkeypatch):
 
     def refuse_real_alias(alias, *args, **kwargs):
         if alias in real:
-            raise RuntimeError(f"test {request.node.nodeid} reaches the real model {alias!r} outside the slow tier: "
-                               f"request one of the fixtures {sorted(REAL_MODEL_FIXTURES)} (tests/conftest.py)")
+            raise RuntimeError(
+                f"test {request.node.nodeid} reaches the real model {alias!r} outside the slow tier: "
+                f"request one of the fixtures {sorted(REAL_MODEL_FIXTURES)} (tests/conftest.py)"
+            )
         return fetch(alias, *args, **kwargs)
 
     monkeypatch.setattr(models, "fetch_alias", refuse_real_alias)

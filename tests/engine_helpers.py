@@ -33,9 +33,10 @@ def spread(count: int, low: int, high: int) -> list[int]:
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' model.generate, one prompt at a time, greedy."""
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, num_beams=1)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @torch.inference_mode()
@@ -43,14 +44,16 @@ def reference_logprobs(model, prompt: list[int], completion: list[int]) -> list[
     """fp32 log-softmax of a plain forward over prompt + completion, at each completion token."""
     ids = torch.tensor([prompt + completion])
     logits = model(ids).logits[0].float()  # [L, V]
-    logprobs = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)  # [len(completion), V]
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)  # [len(completion), V]
     return logprobs.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
 def run_engine(model, tokenizer, prompts, max_tokens, config: EngineConfig, **sampling) -> list:
     """Greedy (unless overridden) results in prompt order."""
     with Engine(model, tokenizer, config) as engine:
-        ids = [engine.add_request(p, SamplingParams(max_tokens=m, **{"temperature": 0.0, **sampling}),
-                                  request_id=f"p{i}") for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        ids = [
+            engine.add_request(p, SamplingParams(max_tokens=m, **{"temperature": 0.0, **sampling}), request_id=f"p{i}")
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))
+        ]
         results = {r.request_id: r for r in (engine.get_result(timeout=600) for _ in ids)}
     return [results[i] for i in ids]

@@ -60,8 +60,9 @@ class FakeEngine:
     max_in_flight: the most results submitted and not yet returned, seen so far.
     """
 
-    def __init__(self, max_context: int = 512, fail: set[str] | None = None, seed: int = 0,
-                 record_submitted: bool = True):
+    def __init__(
+        self, max_context: int = 512, fail: set[str] | None = None, seed: int = 0, record_submitted: bool = True
+    ):
         self.tokenizer = FakeTokenizer()
         self.max_context = max_context
         self.vocab_size = FakeTokenizer.vocab_size
@@ -74,8 +75,9 @@ class FakeEngine:
         self.stopped = False
         self.stats_calls = 0
 
-    def add_request(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
-                    *, stream: bool = False) -> str:
+    def add_request(
+        self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None, *, stream: bool = False
+    ) -> str:
         if self.stopped:
             raise RuntimeError("engine is stopped; no new requests are accepted")
         sampling = sampling or SamplingParams()
@@ -88,11 +90,23 @@ class FakeEngine:
             error = "too long"
         for sample in range(sampling.n):
             tokens = [] if error else fake_completion(ids, seed, sample, sampling.max_tokens)
-            top = [[(t, -0.5), (t + 1, -1.5)][: sampling.top_logprobs] for t in tokens] \
-                if sampling.top_logprobs else None
-            self._ready.append(GenerationOutput(
-                request_id, sample, ids, tokens, self.tokenizer.decode(tokens), [-0.25] * len(tokens),
-                "error" if error else "length", error, top, num_cached_tokens=0))
+            top = (
+                [[(t, -0.5), (t + 1, -1.5)][: sampling.top_logprobs] for t in tokens] if sampling.top_logprobs else None
+            )
+            self._ready.append(
+                GenerationOutput(
+                    request_id,
+                    sample,
+                    ids,
+                    tokens,
+                    self.tokenizer.decode(tokens),
+                    [-0.25] * len(tokens),
+                    "error" if error else "length",
+                    error,
+                    top,
+                    num_cached_tokens=0,
+                )
+            )
         self.max_in_flight = max(self.max_in_flight, len(self._ready))
         return request_id
 
@@ -108,11 +122,32 @@ class FakeEngine:
     def stop(self, hard: bool = False, timeout=None) -> None:
         self.stopped = True
         if hard:
-            self._ready = [GenerationOutput(o.request_id, o.sample_index, o.prompt_token_ids, [], "", [], "error",
-                                            "engine stopped before the request finished") for o in self._ready]
+            self._ready = [
+                GenerationOutput(
+                    o.request_id,
+                    o.sample_index,
+                    o.prompt_token_ids,
+                    [],
+                    "",
+                    [],
+                    "error",
+                    "engine stopped before the request finished",
+                )
+                for o in self._ready
+            ]
 
     def stats(self) -> StatsSnapshot:
         self.stats_calls += 1
-        return StatsSnapshot(steps=self.stats_calls, pending=len(self._ready), blocks_total=100, blocks_used=30,
-                             blocks_cached=10, blocks_free=60, prompt_tokens=1000, prefix_hit_tokens=250,
-                             computed_prompt_tokens=750, generated_tokens=500, elapsed_s=2.0)
+        return StatsSnapshot(
+            steps=self.stats_calls,
+            pending=len(self._ready),
+            blocks_total=100,
+            blocks_used=30,
+            blocks_cached=10,
+            blocks_free=60,
+            prompt_tokens=1000,
+            prefix_hit_tokens=250,
+            computed_prompt_tokens=750,
+            generated_tokens=500,
+            elapsed_s=2.0,
+        )

@@ -8,8 +8,7 @@ silently computing something else.
 import pytest
 from transformers import AttentionInterface
 
-from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine import attention
+from cbrun.engine import Engine, EngineConfig, SamplingParams, attention
 from cbrun.models import load_model
 
 EXPECTED_KWARGS = {
@@ -47,7 +46,7 @@ def test_attention_receives_flat_new_tokens_and_our_batch(request, fixture):
         assert tuple(k) == tuple(v) == (1, kv_heads, tokens, head_dim)
         assert mask is None, "transformers must build no mask for our attention name"
         assert set(kwargs) == EXPECTED_KWARGS[config.model_type]
-        assert kwargs["scaling"] == pytest.approx(head_dim ** -0.5)
+        assert kwargs["scaling"] == pytest.approx(head_dim**-0.5)
         assert kwargs["use_cache"] is False
         assert tuple(kwargs["position_ids"].shape) == (1, tokens)
         assert kwargs["cbrun_batch"].num_tokens == tokens

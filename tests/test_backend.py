@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from engine_helpers import random_prompts
 
 from cbrun.engine import ConfigError, Engine, EngineConfig, SamplingParams
 from cbrun.engine.backend import BackendUnavailable, TorchBackend, choose_backend
@@ -19,7 +20,6 @@ from cbrun.engine.cpu.kernels import load_cpu_kernels
 from cbrun.engine.device_copy import to_device
 from cbrun.engine.model_spec import read_model_spec
 from cbrun.models import load_model
-from engine_helpers import random_prompts
 
 kernels = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="compiled CPU kernels unavailable (no C compiler?)")
@@ -105,8 +105,9 @@ def test_the_step_batch_carries_tensors_and_sizes_only(tiny_llama_dir, backend):
     batch = _step_batch(tiny_llama_dir, backend)
     leaves = list(_fields(batch))
     assert any(isinstance(v, torch.Tensor) for _, v in leaves)
-    odd = [(path, type(v).__name__) for path, v in leaves
-           if not isinstance(v, (torch.Tensor, int, bool, str, type(None)))]
+    odd = [
+        (path, type(v).__name__) for path, v in leaves if not isinstance(v, (torch.Tensor, int, bool, str, type(None)))
+    ]
     assert odd == [], f"the batch carries more than tensors and sizes: {odd}"
 
 
@@ -116,14 +117,15 @@ def test_one_copy_per_dtype_moves_every_index_tensor_and_leaves_host_fields(tiny
     assert to_device(batch, torch.device("cpu")) is batch  # nothing moves on the CPU
     moved = to_device(batch, torch.device("meta"))  # a device that holds shapes only: no CUDA needed
     before = [(p, v) for p, v in _fields(batch) if isinstance(v, torch.Tensor)]
-    after = dict((p, v) for p, v in _fields(moved) if isinstance(v, torch.Tensor))
+    after = {p: v for p, v in _fields(moved) if isinstance(v, torch.Tensor)}
     assert set(after) == {p for p, _ in before}
     for path, tensor in before:
         assert after[path].device.type == "meta" and after[path].shape == tensor.shape, path
         assert after[path].dtype == tensor.dtype, path
     bases = {id(after[p]._base) for p, t in before if t.dtype == torch.long}
-    assert len(bases) == 1 and all(after[p]._base is not None for p, _ in before), \
+    assert len(bases) == 1 and all(after[p]._base is not None for p, _ in before), (
         "the int64 tensors must be views of one buffer (one copy)"
+    )
     offsets = {after[p].storage_offset() * 8 % 128 for p, t in before if t.dtype == torch.long}
     assert offsets == {0}, "each tensor starts on a 128-byte boundary (Triton specializes on alignment)"
     assert moved.sampled is batch.sampled and moved.store is batch.store  # host-only fields untouched
@@ -155,6 +157,7 @@ def test_cpu_and_torch_backends_agree_on_greedy_tokens(tiny_qwen3_dir):
         config = EngineConfig(backend=backend, num_blocks=64, max_batch_tokens=32)
         with Engine(model, tokenizer, config) as engine:
             assert engine.core.backend.name == backend
-            results[backend] = [o.token_ids for o in
-                                engine.generate_batch(prompts, SamplingParams(max_tokens=12, temperature=0.0))]
+            results[backend] = [
+                o.token_ids for o in engine.generate_batch(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+            ]
     assert results["cpu"] == results["torch"]

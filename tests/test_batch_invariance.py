@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import random_prompts
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.cpu.kernels import load_cpu_kernels
 from cbrun.models import load_model
-from engine_helpers import random_prompts
 
 kernels = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="compiled CPU kernels unavailable (no C compiler)")
@@ -25,6 +25,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 # -- kernels ------------------------------------------------------------------------------------------
+
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -36,8 +37,8 @@ def test_linear_row_is_the_same_alone_and_in_any_crowd(dtype, inner):
     crowd = torch.randn(700, inner, generator=gen).to(dtype)
     everyone = kernels.linear(crowd, weight, bias)  # [700, 70]
     for first, count in [(0, 1), (5, 1), (3, 7), (0, 8), (9, 9), (0, 16), (17, 31), (100, 257), (0, 700)]:
-        got = kernels.linear(crowd[first: first + count], weight, bias)
-        assert torch.equal(got, everyone[first: first + count]), (first, count)
+        got = kernels.linear(crowd[first : first + count], weight, bias)
+        assert torch.equal(got, everyone[first : first + count]), (first, count)
     reference = torch.nn.functional.linear(crowd.float(), weight.float(), bias.float())
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(everyone.float(), reference, atol=tolerance * reference.abs().max(), rtol=0)
@@ -71,8 +72,10 @@ def test_linear_refuses_what_it_cannot_compute():
 
 def _pools(dtype, num_kv=2, blocks=40, page=16, dim=16, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_kv, blocks, page, dim, generator=gen).to(dtype),
-            torch.randn(num_kv, blocks, page, dim, generator=gen).to(dtype))
+    return (
+        torch.randn(num_kv, blocks, page, dim, generator=gen).to(dtype),
+        torch.randn(num_kv, blocks, page, dim, generator=gen).to(dtype),
+    )
 
 
 def _attend(q, k_pool, v_pool, seqs: list[SequenceRows], lengths, scale=0.25, windowed=False, window=None):
@@ -90,7 +93,7 @@ def _attend(q, k_pool, v_pool, seqs: list[SequenceRows], lengths, scale=0.25, wi
 
 def _reference(q_row, k_pool, v_pool, table, length, scale, lo=0):
     """Plain softmax attention of one query [H, D] over keys [lo, length) of the table's pages."""
-    num_kv, _, page, dim = k_pool.shape
+    num_kv, _, _page, dim = k_pool.shape
     keys = k_pool[:, table].reshape(num_kv, -1, dim)[:, lo:length].float()  # [H_kv, L, D]
     values = v_pool[:, table].reshape(num_kv, -1, dim)[:, lo:length].float()
     group = q_row.shape[0] // num_kv
@@ -115,9 +118,10 @@ def test_a_query_gets_the_same_bits_as_decode_chunk_token_and_shared_prefix_row(
     assert torch.equal(second, chunk[130:])
     # (c) each token as a decode row, alone
     for pos in (0, 15, 63, 64, 100, 127, 128, 149):
-        alone, _ = _attend(q_chunk[pos: pos + 1].contiguous(), k_pool, v_pool, [SequenceRows(0, pos, 1, table, 0)],
-                           [pos + 1])
-        assert torch.equal(alone, chunk[pos: pos + 1]), pos
+        alone, _ = _attend(
+            q_chunk[pos : pos + 1].contiguous(), k_pool, v_pool, [SequenceRows(0, pos, 1, table, 0)], [pos + 1]
+        )
+        assert torch.equal(alone, chunk[pos : pos + 1]), pos
     # (d) decode rows of 20 sequences sharing the first 8 pages (cascade), row 0 is position 149 of `table`
     others = [SequenceRows(i, 140 + i % 5, 1, table[:8] + list(range(15 + i, 19 + i)), 0) for i in range(1, 20)]
     seqs = [SequenceRows(0, 149, 1, table, 0)] + others
@@ -143,14 +147,20 @@ def test_a_large_shared_task_gives_each_row_its_bits_alone(dtype):
     q = torch.randn(count, heads, dim, generator=torch.Generator().manual_seed(8)).to(dtype)
     page = k_pool.shape[2]
     tables = torch.tensor([s.table for s in seqs])
-    args = (tables, torch.arange(count), torch.zeros(count, dtype=torch.long), torch.tensor(lengths),
-            torch.zeros(count, dtype=torch.long))
+    args = (
+        tables,
+        torch.arange(count),
+        torch.zeros(count, dtype=torch.long),
+        torch.tensor(lengths),
+        torch.zeros(count, dtype=torch.long),
+    )
     one_task = plan_tasks(seqs, page, kernels.segment, False, max_rows=count)
     assert one_task[1].tolist() == [0, count] and int(one_task[2][0]) == 256
     crowd = kernels.attend(q, k_pool, v_pool, *args, one_task, 0.25)
     for i, seq in enumerate(seqs):
-        alone, _ = _attend(q[i: i + 1].contiguous(), k_pool, v_pool, [SequenceRows(0, seq.start, 1, seq.table, 0)],
-                           [lengths[i]])
+        alone, _ = _attend(
+            q[i : i + 1].contiguous(), k_pool, v_pool, [SequenceRows(0, seq.start, 1, seq.table, 0)], [lengths[i]]
+        )
         assert torch.equal(alone[0], crowd[i]), i
         reference = _reference(q[i], k_pool, v_pool, seq.table, lengths[i], 0.25)
         assert torch.allclose(crowd[i].float(), reference, atol=1e-5 if dtype == torch.float32 else 2e-2)
@@ -163,12 +173,20 @@ def test_sliding_window_rows_are_the_same_in_a_chunk_and_alone(dtype):
     table = list(range(10))
     q = torch.randn(100, 4, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
     window = 40
-    chunk, _ = _attend(q, k_pool, v_pool, [SequenceRows(0, 0, 100, table, 0)], list(range(1, 101)),
-                       windowed=True, window=window)
+    chunk, _ = _attend(
+        q, k_pool, v_pool, [SequenceRows(0, 0, 100, table, 0)], list(range(1, 101)), windowed=True, window=window
+    )
     for pos in (0, 39, 40, 77, 99):
-        alone, _ = _attend(q[pos: pos + 1].contiguous(), k_pool, v_pool, [SequenceRows(0, pos, 1, table, 0)],
-                           [pos + 1], windowed=True, window=window)
-        assert torch.equal(alone, chunk[pos: pos + 1])
+        alone, _ = _attend(
+            q[pos : pos + 1].contiguous(),
+            k_pool,
+            v_pool,
+            [SequenceRows(0, pos, 1, table, 0)],
+            [pos + 1],
+            windowed=True,
+            window=window,
+        )
+        assert torch.equal(alone, chunk[pos : pos + 1])
         reference = _reference(q[pos], k_pool, v_pool, table, pos + 1, 0.25, lo=max(0, pos + 1 - window))
         assert torch.allclose(chunk[pos].float(), reference, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -191,6 +209,7 @@ def test_attend_refuses_inconsistent_tasks():
 
 
 # -- engine -------------------------------------------------------------------------------------------
+
 
 def _run(model, tokenizer, requests, config: EngineConfig, preempts: str | None = None):
     """requests: (id, prompt ids, SamplingParams); returns {id: [(tokens, logprobs) per sample]}.
@@ -219,8 +238,10 @@ def _target_and_crowd(vocab):
 
 
 def _crowd_requests(target, crowd_prompts, sampling):
-    crowd = [(f"c{i}", p, SamplingParams(max_tokens=12 + i % 9, temperature=0.8, seed=i))
-             for i, p in enumerate(crowd_prompts)]
+    crowd = [
+        (f"c{i}", p, SamplingParams(max_tokens=12 + i % 9, temperature=0.8, seed=i))
+        for i, p in enumerate(crowd_prompts)
+    ]
     return crowd[:10] + [("t", target, sampling)] + crowd[10:]
 
 
@@ -233,8 +254,7 @@ def test_seeded_request_alone_and_in_a_crowd_is_bitwise_identical(request, fixtu
     alone = _run(model, tokenizer, [("t", target, sampling)], EngineConfig(max_batch_tokens=512, num_blocks=64))
     configs = [
         (EngineConfig(max_batch_tokens=64, num_blocks=256), None),  # chunked prefill, crowded steps
-        (EngineConfig(max_batch_tokens=37, max_requests_per_batch=5, num_blocks=256, scheduler="prefill-first"),
-         None),
+        (EngineConfig(max_batch_tokens=37, max_requests_per_batch=5, num_blocks=256, scheduler="prefill-first"), None),
         (EngineConfig(max_batch_tokens=96, num_blocks=12, cpu_offload_space=0), "soft_resets"),
         (EngineConfig(max_batch_tokens=96, num_blocks=12, cpu_offload_space=0.0001), "offloads"),
     ]
@@ -258,12 +278,17 @@ def test_real_model_request_is_bitwise_identical_alone_and_in_a_crowd(smollm2_lo
     target, crowd_prompts = _target_and_crowd(model.config.vocab_size)
     sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=2)
     alone = _run(model, tokenizer, [("t", target, sampling)], EngineConfig(max_batch_tokens=512, num_blocks=64))
-    crowded = _run(model, tokenizer, _crowd_requests(target, crowd_prompts[:12], sampling),
-                   EngineConfig(max_batch_tokens=64, num_blocks=256))
+    crowded = _run(
+        model,
+        tokenizer,
+        _crowd_requests(target, crowd_prompts[:12], sampling),
+        EngineConfig(max_batch_tokens=64, num_blocks=256),
+    )
     assert crowded["t"] == alone["t"]
 
 
 # -- the command line: shards, windows and resume give the same rows -----------------------------------
+
 
 def test_generate_rows_are_bitwise_the_same_across_shards_windows_and_resume(tiny_llama_dir, tmp_path):
     import json
@@ -274,21 +299,45 @@ def test_generate_rows_are_bitwise_the_same_across_shards_windows_and_resume(tin
     rows = [{"id": f"r{i}", "input_ids": p} for i, p in enumerate(prompts)]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = ["-m", str(tiny_llama_dir), "--max-tokens", "10", "--temperature", "0.9", "--seed", "5", "--n", "2",
-              "--logprobs", "--num-blocks", "256", "-q"]
+    common = [
+        "-m",
+        str(tiny_llama_dir),
+        "--max-tokens",
+        "10",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "5",
+        "--n",
+        "2",
+        "--logprobs",
+        "--num-blocks",
+        "256",
+        "-q",
+    ]
 
     def generate(out, *extra, written=None):
         assert main(["generate", str(source), str(out), *common, *extra]) == 0
-        return {(r["id"], r["sample"]): (r["completion_token_ids"], r["logprobs"])
-                for r in map(json.loads, (written or out).read_text().splitlines())}
+        return {
+            (r["id"], r["sample"]): (r["completion_token_ids"], r["logprobs"])
+            for r in map(json.loads, (written or out).read_text().splitlines())
+        }
 
     whole = generate(tmp_path / "whole.jsonl", "--max-batch-tokens", "512")
     narrow = generate(tmp_path / "narrow.jsonl", "--window", "3", "--max-batch-tokens", "40")
     assert narrow == whole
     sharded = {}
     for index in range(3):
-        sharded.update(generate(tmp_path / "shard-{shard}.jsonl", "--num-shards", "3", "--shard-index", str(index),
-                                written=tmp_path / f"shard-{index}.jsonl"))
+        sharded.update(
+            generate(
+                tmp_path / "shard-{shard}.jsonl",
+                "--num-shards",
+                "3",
+                "--shard-index",
+                str(index),
+                written=tmp_path / f"shard-{index}.jsonl",
+            )
+        )
     assert sharded == whole
     partial = tmp_path / "partial.jsonl"
     partial.write_text("".join((tmp_path / "narrow.jsonl").read_text().splitlines(keepends=True)[:17]))

@@ -11,7 +11,6 @@ import json
 import re
 import sys
 import textwrap
-
 from dataclasses import dataclass
 
 import pytest
@@ -20,11 +19,28 @@ from cbrun.bench import runner as bench_runner
 from cbrun.bench.report import TABLE_COLUMNS, fmt
 from cbrun.cli.app import main
 
-SMALL = ["--num-prompts", "6", "--input-len", "12", "--output-len", "6", "--random-range-ratio", "0.5",
-         "--num-blocks", "64", "--page-size", "16", "--quiet"]
+SMALL = [
+    "--num-prompts",
+    "6",
+    "--input-len",
+    "12",
+    "--output-len",
+    "6",
+    "--random-range-ratio",
+    "0.5",
+    "--num-blocks",
+    "64",
+    "--page-size",
+    "16",
+    "--quiet",
+]
 TRANSFORMERS_SMALL = ["--transformers-cb-config", json.dumps({"num_blocks": 32, "max_batch_tokens": 256})]
-FIXED_CEILING = {"gflop_per_token": 0.001, "gemm_rows": 256, "reference_dtype": "bfloat16",
-                 "gemm_gflops": {"bfloat16": {"best": 100.0}, "float32": {"best": 50.0}}}
+FIXED_CEILING = {
+    "gflop_per_token": 0.001,
+    "gemm_rows": 256,
+    "reference_dtype": "bfloat16",
+    "gemm_gflops": {"bfloat16": {"best": 100.0}, "float32": {"best": 50.0}},
+}
 
 
 @dataclass
@@ -64,8 +80,20 @@ def _row_cells(stdout: str, engine: str) -> list[str]:
 
 def test_three_engines_give_rows_with_equal_output_counts_and_json_matching_the_table(tiny_llama_dir, tmp_path, invoke):
     out_json = tmp_path / "bench.json"
-    result = invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun,transformers,hf-static",
-                      "--static-batch-size", "4", "--output-json", str(out_json), *SMALL, *TRANSFORMERS_SMALL])
+    result = invoke(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--engine",
+            "cbrun,transformers,hf-static",
+            "--static-batch-size",
+            "4",
+            "--output-json",
+            str(out_json),
+            *SMALL,
+            *TRANSFORMERS_SMALL,
+        ]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out_json.read_text())
     entries = {e["engine"]: e for e in report["results"]}
@@ -78,8 +106,10 @@ def test_three_engines_give_rows_with_equal_output_counts_and_json_matching_the_
         cells = _row_cells(result.stdout, name)
         for (_, key, digits), cell in zip(TABLE_COLUMNS, cells):
             assert cell == fmt(entry[key], digits), (name, key)
-        throughput = (f"Throughput: {fmt(entry['requests_per_s'])} requests/s, {fmt(entry['total_tokens_per_s'])} "
-                      f"total tokens/s, {fmt(entry['output_tokens_per_s'])} output tokens/s ({name})")
+        throughput = (
+            f"Throughput: {fmt(entry['requests_per_s'])} requests/s, {fmt(entry['total_tokens_per_s'])} "
+            f"total tokens/s, {fmt(entry['output_tokens_per_s'])} output tokens/s ({name})"
+        )
         assert throughput in result.stdout
     assert entries["cbrun"]["ratio_to_cbrun"] == 1.0
     assert entries["cbrun"]["ttft_p50_s"] is not None and entries["transformers"]["ttft_p99_s"] is not None
@@ -87,17 +117,43 @@ def test_three_engines_give_rows_with_equal_output_counts_and_json_matching_the_
     assert report["compute_ceiling"]["gemm_gflops"]["bfloat16"]["best"] > 0
     assert entries["cbrun"]["compute_ceiling_fraction"] > 0
     assert "Compute ceiling fraction" in result.stdout
-    assert set(report["cbrun_stats"]) >= {"steps", "mean_decode_batch", "peak_kv_occupancy", "prefix_hit_rate",
-                                          "offloads", "soft_resets"}
+    assert set(report["cbrun_stats"]) >= {
+        "steps",
+        "mean_decode_batch",
+        "peak_kv_occupancy",
+        "prefix_hit_rate",
+        "offloads",
+        "soft_resets",
+    }
     assert report["cbrun_stats"]["steps"] > 0
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
-def test_prefix_workload_hits_the_prefix_cache_unless_disabled(tiny_llama_dir, tmp_path, invoke, no_gemm_probe, prefix_cache):
+def test_prefix_workload_hits_the_prefix_cache_unless_disabled(
+    tiny_llama_dir, tmp_path, invoke, no_gemm_probe, prefix_cache
+):
     out_json = tmp_path / "bench.json"
-    args = ["--model", str(tiny_llama_dir), "--engine", "cbrun", "--prefix-len", "64", "--num-prompts", "8",
-            "--input-len", "8", "--output-len", "4", "--num-blocks", "128", "--page-size", "16",
-            "--output-json", str(out_json), "--quiet"]
+    args = [
+        "--model",
+        str(tiny_llama_dir),
+        "--engine",
+        "cbrun",
+        "--prefix-len",
+        "64",
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--num-blocks",
+        "128",
+        "--page-size",
+        "16",
+        "--output-json",
+        str(out_json),
+        "--quiet",
+    ]
     result = invoke(args + ([] if prefix_cache else ["--no-prefix-cache"]))
     assert result.exit_code == 0, result.output
     rate = json.loads(out_json.read_text())["cbrun_stats"]["prefix_hit_rate"]
@@ -110,8 +166,19 @@ def test_prefix_workload_hits_the_prefix_cache_unless_disabled(tiny_llama_dir, t
 
 def test_unavailable_peer_is_reported_and_the_others_still_run(tiny_llama_dir, tmp_path, invoke, no_gemm_probe):
     out_json = tmp_path / "bench.json"
-    result = invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm",
-                      "--vllm-python", str(tmp_path / "no-such-python"), "--output-json", str(out_json), *SMALL])
+    result = invoke(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--engine",
+            "hf-static,vllm",
+            "--vllm-python",
+            str(tmp_path / "no-such-python"),
+            "--output-json",
+            str(out_json),
+            *SMALL,
+        ]
+    )
     assert result.exit_code == 0, result.output
     entries = {e["engine"]: e for e in json.loads(out_json.read_text())["results"]}
     assert entries["hf-static"]["status"] == "ok"
@@ -125,8 +192,19 @@ def test_vllm_interpreter_without_vllm_is_unavailable(tiny_llama_dir, tmp_path, 
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "empty"))  # no vllm reachable from this interpreter
     out_json = tmp_path / "bench.json"
-    result = invoke(["--model", str(tiny_llama_dir), "--engine", "vllm", "--vllm-python", sys.executable,
-                      "--output-json", str(out_json), *SMALL])
+    result = invoke(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--engine",
+            "vllm",
+            "--vllm-python",
+            sys.executable,
+            "--output-json",
+            str(out_json),
+            *SMALL,
+        ]
+    )
     assert result.exit_code == 0, result.output
     entry = json.loads(out_json.read_text())["results"][0]
     assert entry["status"] == "unavailable" and "cannot import vllm" in entry["reason"]
@@ -170,19 +248,33 @@ def test_vllm_peer_protocol_with_a_stand_in_vllm(tiny_llama_dir, tmp_path, invok
     fake = tmp_path / "fake" / "vllm"
     (fake / "inputs").mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_VLLM)
-    (fake / "inputs" / "__init__.py").write_text("def TokensPrompt(prompt_token_ids):\n"
-                                                 "    return {'prompt_token_ids': prompt_token_ids}\n")
+    (fake / "inputs" / "__init__.py").write_text(
+        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
     out_json = tmp_path / "bench.json"
-    result = invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm", "--vllm-python", sys.executable,
-                      "--output-json", str(out_json), *SMALL])
+    result = invoke(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--engine",
+            "hf-static,vllm",
+            "--vllm-python",
+            sys.executable,
+            "--output-json",
+            str(out_json),
+            *SMALL,
+        ]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out_json.read_text())
     entries = {e["engine"]: e for e in report["results"]}
     vllm = entries["vllm"]
     assert vllm["status"] == "ok", vllm
-    assert vllm["num_output_tokens"] == entries["hf-static"]["num_output_tokens"] == report["config"]["max_output_tokens"]
+    assert (
+        vllm["num_output_tokens"] == entries["hf-static"]["num_output_tokens"] == report["config"]["max_output_tokens"]
+    )
     assert vllm["ttft_p50_s"] == pytest.approx(0.01)
     assert vllm["details"]["vllm_version"] == "0.0-fake"
     assert vllm["details"]["model_dir"] == str(tiny_llama_dir)  # a local HF dir is passed as is
@@ -192,8 +284,9 @@ def test_mismatched_output_counts_are_reported(tiny_llama_dir, tmp_path, invoke,
     fake = tmp_path / "fake" / "vllm"
     (fake / "inputs").mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_VLLM.replace("if params.ignore_eos else", "if False else"))
-    (fake / "inputs" / "__init__.py").write_text("def TokensPrompt(prompt_token_ids):\n"
-                                                 "    return {'prompt_token_ids': prompt_token_ids}\n")
+    (fake / "inputs" / "__init__.py").write_text(
+        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     result = invoke(["--model", str(tiny_llama_dir), "--engine", "vllm", "--vllm-python", sys.executable, *SMALL])
     assert result.exit_code == 0, result.output
@@ -201,20 +294,34 @@ def test_mismatched_output_counts_are_reported(tiny_llama_dir, tmp_path, invoke,
     assert "MISMATCH" in _row_cells(result.stdout, "vllm")[-1]
 
 
-def test_crashing_vllm_is_reported_failed_with_its_root_cause(tiny_llama_dir, tmp_path, invoke, monkeypatch, no_gemm_probe):
+def test_crashing_vllm_is_reported_failed_with_its_root_cause(
+    tiny_llama_dir, tmp_path, invoke, monkeypatch, no_gemm_probe
+):
     fake = tmp_path / "fake" / "vllm"
     (fake / "inputs").mkdir(parents=True)
     (fake / "__init__.py").write_text(
         "__version__ = '0'\nSamplingParams = None\n"
         "class LLM:\n    def __init__(self, **kwargs):\n"
         "        import sys\n        print('INFO starting', file=sys.stderr)\n"
-        "        raise ValueError('Available memory on node 0 is too small')\n")
+        "        raise ValueError('Available memory on node 0 is too small')\n"
+    )
     (fake / "inputs" / "__init__.py").write_text("TokensPrompt = dict\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
     out_json = tmp_path / "bench.json"
-    result = invoke(["--model", str(tiny_llama_dir), "--engine", "hf-static,vllm", "--vllm-python", sys.executable,
-                      "--output-json", str(out_json), *SMALL])
+    result = invoke(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--engine",
+            "hf-static,vllm",
+            "--vllm-python",
+            sys.executable,
+            "--output-json",
+            str(out_json),
+            *SMALL,
+        ]
+    )
     assert result.exit_code == 1
     entries = {e["engine"]: e for e in json.loads(out_json.read_text())["results"]}
     assert entries["hf-static"]["status"] == "ok"
@@ -223,8 +330,9 @@ def test_crashing_vllm_is_reported_failed_with_its_root_cause(tiny_llama_dir, tm
     assert (tmp_path / "cache" / "vllm-last-failure.log").is_file()
 
 
-def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp_path, invoke, no_gemm_probe,
-                                                            monkeypatch):
+def test_dataset_workload_runs_without_ignore_eos_by_default(
+    tiny_llama_dir, tmp_path, invoke, no_gemm_probe, monkeypatch
+):
     import torch
 
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # keep this process's threads for other tests
@@ -232,9 +340,29 @@ def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp
     rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3)] + [{"prompt": "hello"}]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out_json = tmp_path / "bench.json"
-    result = invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun,hf-static", "--dataset-path", str(data),
-                      "--output-len", "5", "--temperature", "0", "--num-blocks", "64", "--page-size", "16",
-                      "--threads", "1", "--output-json", str(out_json), "--quiet"])
+    result = invoke(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--engine",
+            "cbrun,hf-static",
+            "--dataset-path",
+            str(data),
+            "--output-len",
+            "5",
+            "--temperature",
+            "0",
+            "--num-blocks",
+            "64",
+            "--page-size",
+            "16",
+            "--threads",
+            "1",
+            "--output-json",
+            str(out_json),
+            "--quiet",
+        ]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out_json.read_text())
     assert report["config"]["num_prompts"] == 4 and report["config"]["ignore_eos"] is False
@@ -242,13 +370,16 @@ def test_dataset_workload_runs_without_ignore_eos_by_default(tiny_llama_dir, tmp
     assert all(e["status"] == "ok" and 0 < e["num_output_tokens"] <= 20 for e in report["results"])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--engine", "cbrun,nope"], "unknown engine nope"),
-    (["--transformers-cb-config", "{bad"], "not valid JSON"),
-    (["--transformers-cb-config", '{"no_such_knob": 1}'], "no_such_knob"),
-    (["--input-len", "4000", "--output-len", "4000"], "more than the model's context of 2048"),
-    (["--random-range-ratio", "1.5"], "--random-range-ratio"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--engine", "cbrun,nope"], "unknown engine nope"),
+        (["--transformers-cb-config", "{bad"], "not valid JSON"),
+        (["--transformers-cb-config", '{"no_such_knob": 1}'], "no_such_knob"),
+        (["--input-len", "4000", "--output-len", "4000"], "more than the model's context of 2048"),
+        (["--random-range-ratio", "1.5"], "--random-range-ratio"),
+    ],
+)
 def test_usage_errors_are_one_line_with_exit_code_2(tiny_llama_dir, invoke, args, message):
     result = invoke(["--model", str(tiny_llama_dir), *args])
     assert result.exit_code == 2

@@ -91,6 +91,7 @@ def test_distinct_prompt_tokens_count_a_shared_prefix_once(tiny_tokenizer):
     no_prefix = random_workload(ids, num_prompts=10, input_len=20, output_len=4, seed=3)
     assert no_prefix.num_distinct_prompt_tokens == no_prefix.num_input_tokens
     from cbrun.bench.workload import Workload
+
     assert Workload([[1, 2, 3], [1, 2, 4], [1, 2, 3]], [1, 1, 1]).num_distinct_prompt_tokens == 4
 
 
@@ -110,10 +111,17 @@ def test_count_check_requires_exact_lengths_under_ignore_eos():
 
 
 def _fake_results():
-    cbrun = PeerResult("cbrun", wall_s=2.0, num_requests=4, num_input_tokens=100, output_counts=[8] * 4,
-                       ttfts=[0.1, 0.2, 0.3, 0.4])
-    cbrun.details["stats"] = {"steps": 10, "mean_decode_batch": 3.5, "peak_kv_occupancy": 0.25,
-                              "prefix_hit_rate": 0.5, "offloads": 0, "soft_resets": 1}
+    cbrun = PeerResult(
+        "cbrun", wall_s=2.0, num_requests=4, num_input_tokens=100, output_counts=[8] * 4, ttfts=[0.1, 0.2, 0.3, 0.4]
+    )
+    cbrun.details["stats"] = {
+        "steps": 10,
+        "mean_decode_batch": 3.5,
+        "peak_kv_occupancy": 0.25,
+        "prefix_hit_rate": 0.5,
+        "offloads": 0,
+        "soft_resets": 1,
+    }
     static = PeerResult("hf-static", wall_s=4.0, num_requests=4, num_input_tokens=100, output_counts=[8, 8, 8, 7])
     vllm = PeerResult("vllm", status="unavailable", reason="not installed")
     return [cbrun, static, vllm]
@@ -121,8 +129,12 @@ def _fake_results():
 
 def test_report_table_lines_and_json_show_the_same_figures():
     results = _fake_results()
-    ceiling = {"gflop_per_token": 0.269, "gemm_rows": 256, "reference_dtype": "bfloat16",
-               "gemm_gflops": {"bfloat16": {"best": 500.0}, "float32": {"best": 150.0}}}
+    ceiling = {
+        "gflop_per_token": 0.269,
+        "gemm_rows": 256,
+        "reference_dtype": "bfloat16",
+        "gemm_gflops": {"bfloat16": {"best": 500.0}, "float32": {"best": 150.0}},
+    }
     config = {"ignore_eos": True, "dtype_resolved": "float32"}
     checks = output_checks(results, type("W", (), {"n": 1, "output_lens": [8] * 4, "ignore_eos": True})())
     report = build_report(config, {"device": "cpu"}, results, ceiling, checks, "float32")
@@ -145,8 +157,10 @@ def test_report_table_lines_and_json_show_the_same_figures():
         cells = [c.strip() for c in row.strip("│").split("│")][1:]
         for (_, key, digits), cell in zip(TABLE_COLUMNS, cells):
             assert cell.split()[0] == fmt(entry[key], digits), key
-        assert (f"Throughput: {fmt(entry['requests_per_s'])} requests/s, {fmt(entry['total_tokens_per_s'])} total "
-                f"tokens/s, {fmt(entry['output_tokens_per_s'])} output tokens/s ({entry['engine']})") in text
+        assert (
+            f"Throughput: {fmt(entry['requests_per_s'])} requests/s, {fmt(entry['total_tokens_per_s'])} total "
+            f"tokens/s, {fmt(entry['output_tokens_per_s'])} output tokens/s ({entry['engine']})"
+        ) in text
     assert "prefix hit rate 50.0%" in text and "soft resets 1" in text
     assert report["cbrun_stats"]["prefix_hit_rate"] == 0.5
 

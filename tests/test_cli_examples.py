@@ -18,8 +18,9 @@ from cbrun.engine.config import SamplingParams
 EXAMPLES = REPO / "examples"
 
 
-@pytest.mark.parametrize("name", ["prompts.jsonl", "chat.jsonl", "prompts.parquet", "openai_batch.jsonl",
-                                  "rl_prompts.jsonl"])
+@pytest.mark.parametrize(
+    "name", ["prompts.jsonl", "chat.jsonl", "prompts.parquet", "openai_batch.jsonl", "rl_prompts.jsonl"]
+)
 def test_every_example_row_is_valid(name):
     preparer = RowPreparer(FakeTokenizer(), SamplingParams(), max_context=4096, vocab_size=FakeTokenizer.vocab_size)
     converter = OpenAIFormat(FakeTokenizer(), "m") if name.startswith("openai") else None
@@ -35,9 +36,24 @@ def test_every_example_row_is_valid(name):
 def test_rl_rollout_script_gives_distinct_seeded_samples_with_logprobs(tiny_llama_dir, tmp_path):
     out = tmp_path / "rollouts.parquet"
     env = {**cli_env(), "MODEL": str(tiny_llama_dir), "OUT": str(out), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(EXAMPLES / "rl_rollouts.sh"), "--max-tokens", "6", "--num-blocks", "256",
-                           "--page-size", "16", "-q"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(EXAMPLES / "rl_rollouts.sh"),
+            "--max-tokens",
+            "6",
+            "--num-blocks",
+            "256",
+            "--page-size",
+            "16",
+            "-q",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = pq.read_table(out).to_pylist()
     assert len(rows) == 4 * 8

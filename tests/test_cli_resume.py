@@ -23,18 +23,53 @@ from test_cli_generate import REPO, cli_env, read_jsonl, write_jsonl
 from cbrun.cli.app import main
 from cbrun.data.writers import journal_path
 
-WORDS = ("the quick brown fox jumps over the lazy dog a continuous batching engine schedules prefill "
-         "and decode tokens every step paged attention keeps keys").split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "a",
+    "continuous",
+    "batching",
+    "engine",
+    "schedules",
+    "prefill",
+    "and",
+    "decode",
+    "tokens",
+    "every",
+    "step",
+    "paged",
+    "attention",
+    "keeps",
+    "keys",
+]
 NUM_ROWS = 24
 
 
 def prompts() -> list[dict]:
-    return [{"id": f"q{i}", "prompt": " ".join(WORDS[i % 11: i % 11 + 3 + i % 7])} for i in range(NUM_ROWS)]
+    return [{"id": f"q{i}", "prompt": " ".join(WORDS[i % 11 : i % 11 + 3 + i % 7])} for i in range(NUM_ROWS)]
 
 
 def args(model_dir, *extra) -> list[str]:
-    return ["-m", str(model_dir), "--max-tokens", "16", "--temperature", "0", "--num-blocks", "256",
-            "--page-size", "16", *extra]
+    return [
+        "-m",
+        str(model_dir),
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0",
+        "--num-blocks",
+        "256",
+        "--page-size",
+        "16",
+        *extra,
+    ]
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -50,9 +85,13 @@ def complete_lines(path: Path) -> int:
 
 def start_and_wait_for_rows(model_dir, source: Path, out: Path, rows_on_disk: Path, at_least: int):
     """Start a slow run (window 2) in a subprocess; return it once `at_least` rows are flushed."""
-    proc = subprocess.Popen([sys.executable, "-m", "cbrun", "generate", str(source), str(out),
-                             *args(model_dir, "--window", "2")],
-                            cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cbrun", "generate", str(source), str(out), *args(model_dir, "--window", "2")],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 240
     while complete_lines(rows_on_disk) < at_least:
         if proc.poll() is not None:

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from cbrun.engine.torch_attention import decode as torch_decode
-from cbrun.engine.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.batch import DecodeLayout
+from cbrun.engine.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.cpu.kernels import load_cpu_kernels
+from cbrun.engine.torch_attention import decode as torch_decode
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -22,8 +22,10 @@ def _layout(tables, kv_len, kv_lo, first_page, page):
 
 def _attend_decodes(q, k_pool, v_pool, tables, kv_len, kv_lo, first_page, scale):
     """The kernel over one decode row per sequence (q [B, H, D]), tasks planned as the engine does."""
-    seqs = [SequenceRows(i, int(n) - 1, 1, t.tolist(), int(f))
-            for i, (t, n, f) in enumerate(zip(tables, kv_len, first_page))]
+    seqs = [
+        SequenceRows(i, int(n) - 1, 1, t.tolist(), int(f))
+        for i, (t, n, f) in enumerate(zip(tables, kv_len, first_page))
+    ]
     tasks = plan_tasks(seqs, k_pool.shape[2], kernels.segment, windowed=bool(kv_lo.any()))
     rows = torch.arange(len(seqs))
     return kernels.attend(q, k_pool, v_pool, tables, rows, first_page, kv_len, kv_lo, tasks, scale)
@@ -49,7 +51,9 @@ def test_kernel_matches_torch_decode(dtype, tol, window):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,dim,page", [(9, 3, 64, 16), (4, 1, 128, 128), (6, 6, 80, 64), (16, 2, 64, 256)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,page", [(9, 3, 64, 16), (4, 1, 128, 128), (6, 6, 80, 64), (16, 2, 64, 256)]
+)
 def test_kernel_long_contexts_cross_pages_and_segments(dtype, tol, heads, kv_heads, dim, page):
     """Contexts of many pages and segments (the online softmax rescales), every head size path."""
     torch.manual_seed(1)
@@ -62,8 +66,8 @@ def test_kernel_long_contexts_cross_pages_and_segments(dtype, tol, heads, kv_hea
     zeros = torch.zeros(len(lengths), dtype=torch.long)
     layout = _layout(tables, lengths, zeros, zeros, page)
     q = torch.randn(heads, len(lengths), dim).to(dtype)
-    expected = torch_decode(q, k_pool, v_pool, layout, dim ** -0.5)
-    got = _attend_decodes(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, lengths, zeros, zeros, dim ** -0.5)
+    expected = torch_decode(q, k_pool, v_pool, layout, dim**-0.5)
+    got = _attend_decodes(q.transpose(0, 1).contiguous(), k_pool, v_pool, tables, lengths, zeros, zeros, dim**-0.5)
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
 
 

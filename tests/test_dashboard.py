@@ -14,9 +14,16 @@ from cbrun.engine.config import StatsSnapshot
 
 
 def progress(done=4, total=10, failed=1, skipped=0, age=8.0):
-    return JobProgress(rows_total=total, rows_done=done, rows_failed=failed, rows_skipped=skipped,
-                       samples_written=done, prompt_tokens=400, completion_tokens=120,
-                       started=time.perf_counter() - age)
+    return JobProgress(
+        rows_total=total,
+        rows_done=done,
+        rows_failed=failed,
+        rows_skipped=skipped,
+        samples_written=done,
+        prompt_tokens=400,
+        completion_tokens=120,
+        started=time.perf_counter() - age,
+    )
 
 
 def render(renderable) -> str:
@@ -34,8 +41,19 @@ def test_off_a_terminal_it_prints_plain_progress_lines_every_interval():
     lines = stream.getvalue().splitlines()
     assert len(lines) >= 3
     line = lines[-1]
-    for part in ("rows 4/10 (40.0%)", "eta 00:1", "tok/s", "req/s", "pending", "prefilling 0", "decoding 0",
-                 "kv 30% (used 30 cached 10 free 60)", "prefix hit 25%", "offloads 0 soft resets 0", "errors 1"):
+    for part in (
+        "rows 4/10 (40.0%)",
+        "eta 00:1",
+        "tok/s",
+        "req/s",
+        "pending",
+        "prefilling 0",
+        "decoding 0",
+        "kv 30% (used 30 cached 10 free 60)",
+        "prefix hit 25%",
+        "offloads 0 soft resets 0",
+        "errors 1",
+    ):
         assert part in line, (part, line)
     assert "\x1b[" not in stream.getvalue()  # no terminal escapes in logs
 
@@ -48,9 +66,23 @@ def test_unknown_total_shows_rows_without_percent_or_eta():
 
 def test_live_view_shows_every_field():
     text = render(Dashboard(FakeEngine().stats, progress(), stream=io.StringIO(), title="gen").renderable())
-    for part in ("gen", "4/10 rows", "eta 00:1", "throughput", "tok/s", "req/s", "pending", "prefilling",
-                 "decoding", "kv cache", "30% used 30 cached 10 free 60 / 100", "hit rate 25.0%",
-                 "offloads 0", "soft resets 0", "errors"):
+    for part in (
+        "gen",
+        "4/10 rows",
+        "eta 00:1",
+        "throughput",
+        "tok/s",
+        "req/s",
+        "pending",
+        "prefilling",
+        "decoding",
+        "kv cache",
+        "30% used 30 cached 10 free 60 / 100",
+        "hit rate 25.0%",
+        "offloads 0",
+        "soft resets 0",
+        "errors",
+    ):
         assert part in text, (part, text)
 
 
@@ -63,15 +95,48 @@ def test_live_mode_runs_on_a_terminal_stream():
 
 
 def test_final_summary_table_reports_rows_tokens_and_engine_figures():
-    stats = StatsSnapshot(steps=12, blocks_total=100, peak_blocks_used=40, prompt_tokens=400,
-                          prefix_hit_tokens=100, decode_steps=4, decode_batch_tokens=10, offloads=2, soft_resets=1)
+    stats = StatsSnapshot(
+        steps=12,
+        blocks_total=100,
+        peak_blocks_used=40,
+        prompt_tokens=400,
+        prefix_hit_tokens=100,
+        decode_steps=4,
+        decode_batch_tokens=10,
+        offloads=2,
+        soft_resets=1,
+    )
     p = progress(done=10, total=10, failed=2, skipped=3)
     p.finished = p.started + 4.0
     text = render(Dashboard(lambda: stats, p, stream=io.StringIO()).summary_table([("output", "out.jsonl")]))
-    for part in ("rows", "10 of 10", "succeeded", "8", "failed", "already in output (resume)", "3",
-                 "prompt tokens", "400", "completion tokens", "120", "wall time", "00:04", "output tokens/s",
-                 "30.0", "engine steps", "12", "mean decode batch", "2.5", "peak kv occupancy", "40% of 100 blocks",
-                 "prefix-cache hit rate", "25.0%", "offloads / soft resets", "2 / 1", "out.jsonl"):
+    for part in (
+        "rows",
+        "10 of 10",
+        "succeeded",
+        "8",
+        "failed",
+        "already in output (resume)",
+        "3",
+        "prompt tokens",
+        "400",
+        "completion tokens",
+        "120",
+        "wall time",
+        "00:04",
+        "output tokens/s",
+        "30.0",
+        "engine steps",
+        "12",
+        "mean decode batch",
+        "2.5",
+        "peak kv occupancy",
+        "40% of 100 blocks",
+        "prefix-cache hit rate",
+        "25.0%",
+        "offloads / soft resets",
+        "2 / 1",
+        "out.jsonl",
+    ):
         assert part in text, (part, text)
 
 

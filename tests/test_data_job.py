@@ -30,12 +30,15 @@ class ListWriter:
 
 def make_job(records, engine=None, *, window=8, resume=None, fmt=None, openai=None, n=1):
     engine = engine or FakeEngine()
-    preparer = RowPreparer(engine.tokenizer, SamplingParams(max_tokens=4, n=n, seed=5),
-                           max_context=engine.max_context, vocab_size=engine.vocab_size)
+    preparer = RowPreparer(
+        engine.tokenizer,
+        SamplingParams(max_tokens=4, n=n, seed=5),
+        max_context=engine.max_context,
+        vocab_size=engine.vocab_size,
+    )
     rows = [RawRow(i, r) for i, r in enumerate(records)]
     writer = ListWriter()
-    job = GenerateJob(engine, rows, preparer, fmt or CbrunFormat(), writer, window=window, resume=resume,
-                      openai=openai)
+    job = GenerateJob(engine, rows, preparer, fmt or CbrunFormat(), writer, window=window, resume=resume, openai=openai)
     return job, engine, writer
 
 
@@ -62,8 +65,13 @@ def test_a_window_is_submitted_sorted_by_prompt_token_ids():
 
 
 def test_bad_rows_and_engine_failures_become_error_rows_and_the_job_goes_on():
-    records = [{"prompt": "ok"}, {"prompt": ""}, {"id": "x", "prompt": "fails in engine"}, {"prompt": "ok too"},
-               {"id": "x", "prompt": "duplicate"}]
+    records = [
+        {"prompt": "ok"},
+        {"prompt": ""},
+        {"id": "x", "prompt": "fails in engine"},
+        {"prompt": "ok too"},
+        {"id": "x", "prompt": "duplicate"},
+    ]
     engine = FakeEngine(fail={"2"})
     job, engine, writer = make_job(records, engine)
     progress = job.run()
@@ -141,8 +149,14 @@ def test_hard_stop_writes_finished_results_and_drops_killed_ones():
 
 
 def test_openai_rows_are_written_once_all_samples_are_in():
-    records = [{"custom_id": f"c{i}", "url": "/v1/chat/completions",
-                "body": {"messages": [{"role": "user", "content": f"q{i}"}], "n": 3}} for i in range(5)]
+    records = [
+        {
+            "custom_id": f"c{i}",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": f"q{i}"}], "n": 3},
+        }
+        for i in range(5)
+    ]
     records.append({"custom_id": "bad", "url": "/v1/nope", "body": {}})
     engine = FakeEngine()
     fmt = OpenAIFormat(engine.tokenizer, "m")
@@ -162,8 +176,7 @@ def test_an_input_that_breaks_mid_way_raises_input_error():
         raise OSError("disk gone")
 
     engine = FakeEngine()
-    preparer = RowPreparer(engine.tokenizer, SamplingParams(max_tokens=2), max_context=64,
-                           vocab_size=engine.vocab_size)
+    preparer = RowPreparer(engine.tokenizer, SamplingParams(max_tokens=2), max_context=64, vocab_size=engine.vocab_size)
     job = GenerateJob(engine, rows(), preparer, CbrunFormat(), ListWriter())
     with pytest.raises(InputError, match="disk gone"):
         job.run()

@@ -64,12 +64,18 @@ def test_a_100k_row_input_is_streamed_in_bounded_memory(tmp_path):
     size = source.stat().st_size
     tests_dir = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_dir.parent), str(tests_dir)])}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(source), str(tmp_path / "out.jsonl")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(source), str(tmp_path / "out.jsonl")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["rows"] == ROWS
-    assert sum(1 for _ in open(tmp_path / "out.jsonl")) == ROWS
+    with open(tmp_path / "out.jsonl") as written:
+        assert sum(1 for _ in written) == ROWS
     assert result["max_in_flight"] <= 4096  # the default window
     growth = result["peak"] - result["before"]
     print(f"input {size / 2**20:.0f} MiB, peak RSS growth {growth / 2**20:.1f} MiB")

@@ -10,19 +10,44 @@ from cbrun.data.reader import RawRow
 from cbrun.engine.config import SamplingParams
 from cbrun.engine.request import GenerationOutput
 
-CHAT = {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
-                 "temperature": 0.2, "n": 2, "seed": 3, "stop": ["\n"], "logprobs": True, "top_logprobs": 2}}
-COMPLETION = {"custom_id": "q2", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": ["hello"], "max_tokens": 4, "logprobs": 1}}
+CHAT = {
+    "custom_id": "q1",
+    "method": "POST",
+    "url": "/v1/chat/completions",
+    "body": {
+        "model": "gpt-x",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 5,
+        "temperature": 0.2,
+        "n": 2,
+        "seed": 3,
+        "stop": ["\n"],
+        "logprobs": True,
+        "top_logprobs": 2,
+    },
+}
+COMPLETION = {
+    "custom_id": "q2",
+    "method": "POST",
+    "url": "/v1/completions",
+    "body": {"prompt": ["hello"], "max_tokens": 4, "logprobs": 1},
+}
 
 
 def test_request_lines_are_recognised_and_converted():
     assert looks_like_openai_batch(CHAT) and looks_like_openai_batch(COMPLETION)
     assert not looks_like_openai_batch({"prompt": "x", "custom_id": "a"})
     row, meta = convert_request(CHAT)
-    assert row == {"custom_id": "q1", "messages": CHAT["body"]["messages"], "max_tokens": 5, "temperature": 0.2,
-                   "n": 2, "seed": 3, "stop": ["\n"], "top_logprobs": 2}
+    assert row == {
+        "custom_id": "q1",
+        "messages": CHAT["body"]["messages"],
+        "max_tokens": 5,
+        "temperature": 0.2,
+        "n": 2,
+        "seed": 3,
+        "stop": ["\n"],
+        "top_logprobs": 2,
+    }
     assert meta == {"endpoint": "chat", "logprobs": True, "model": "gpt-x"}
     row, meta = convert_request(COMPLETION)
     assert row == {"custom_id": "q2", "prompt": "hello", "max_tokens": 4, "top_logprobs": 1}
@@ -52,8 +77,17 @@ def _spec(record, index=0):
 
 
 def _out(spec, sample, tokens, reason="stop", error=None, top=None):
-    return GenerationOutput(spec.id, sample, spec.token_ids, tokens, FakeTokenizer().decode(tokens),
-                            [-0.5] * len(tokens), reason, error, top)
+    return GenerationOutput(
+        spec.id,
+        sample,
+        spec.token_ids,
+        tokens,
+        FakeTokenizer().decode(tokens),
+        [-0.5] * len(tokens),
+        reason,
+        error,
+        top,
+    )
 
 
 def test_chat_output_line_has_all_choices_usage_and_logprobs():
@@ -86,8 +120,12 @@ def test_completion_output_line_uses_text_completion_logprobs():
     assert body["object"] == "text_completion" and body["model"] == "cbrun-model"
     choice = body["choices"][0]
     assert choice["text"] == "ab"
-    assert choice["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -0.5],
-                                  "top_logprobs": [{"a": -0.5}, {"b": -0.5}], "text_offset": [0, 1]}
+    assert choice["logprobs"] == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.5, -0.5],
+        "top_logprobs": [{"a": -0.5}, {"b": -0.5}],
+        "text_offset": [0, 1],
+    }
 
 
 def test_engine_failure_gives_status_500_naming_the_row():

@@ -51,39 +51,58 @@ def test_row_id_is_id_then_custom_id_then_row_number_as_string():
 
 
 def test_sampling_overrides_apply_per_row():
-    spec = prepare(make(), {"prompt": "a", "max_tokens": 3.0, "temperature": 0.5, "top_p": 0.9, "top_k": 4,
-                            "min_p": 0.1, "seed": 11, "n": 2, "stop": ["x", "y"]})
-    assert spec.sampling == SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1,
-                                           seed=11, n=2, stop=("x", "y"))
+    spec = prepare(
+        make(),
+        {
+            "prompt": "a",
+            "max_tokens": 3.0,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 4,
+            "min_p": 0.1,
+            "seed": 11,
+            "n": 2,
+            "stop": ["x", "y"],
+        },
+    )
+    assert spec.sampling == SamplingParams(
+        max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=11, n=2, stop=("x", "y")
+    )
     assert prepare(make(), {"prompt": "a", "stop": "x", "max_tokens": None}).sampling.stop == ("x",)
 
 
-@pytest.mark.parametrize("record, expected", [
-    (None, "row 4: not valid JSON"),
-    ({"text": "no prompt field"}, "row 4: no prompt"),
-    ({"prompt": ""}, "row 4: prompt: empty prompt"),
-    ({"prompt": 5}, "row 4: prompt: must be text"),
-    ({"messages": []}, "row 4: messages: empty list"),
-    ({"messages": "hello"}, "row 4: messages: must be a non-empty list of chat messages"),
-    ({"messages": [{"content": "x"}]}, "row 4: messages: each chat message needs"),
-    ({"messages": [{"role": "user", "content": 3}]}, "row 4: messages: chat template failed"),
-    ({"input_ids": "abc"}, "row 4: input_ids: must be a non-empty list of integer token ids"),
-    ({"input_ids": [1, True]}, "row 4: input_ids: must be a non-empty list"),
-    ({"input_ids": [1, 9999]}, "row 4: input_ids: token id 9999 at position 1 is outside the vocabulary"),
-    ({"input_ids": [-1]}, "row 4: input_ids: token id -1 at position 0"),
-    ({"prompt": "x" * 60}, "row 4: prompt: prompt of 61 tokens plus max_tokens 8 exceeds the model's context of 64"),
-    ({"prompt": "a", "max_tokens": 0}, "row 4: max_tokens: must be an integer >= 1, got 0"),
-    ({"prompt": "a", "max_tokens": "ten"}, "row 4: max_tokens: must be an integer >= 1, got 'ten'"),
-    ({"prompt": "a", "temperature": -1}, "row 4: temperature: must be a number >= 0"),
-    ({"prompt": "a", "top_p": 2}, "row 4: top_p: must be in (0, 1]"),
-    ({"prompt": "a", "top_k": 1.5}, "row 4: top_k: must be an integer >= 0"),
-    ({"prompt": "a", "min_p": "x"}, "row 4: min_p: must be in [0, 1]"),
-    ({"prompt": "a", "seed": "s"}, "row 4: seed: must be an integer"),
-    ({"prompt": "a", "n": 0}, "row 4: n: must be an integer >= 1"),
-    ({"prompt": "a", "stop": 5}, "row 4: stop: must be a string or a list of strings"),
-    ({"prompt": "a", "stop": [""]}, "row 4: stop: must be non-empty strings"),
-    ({"prompt": "a", "id": {"x": 1}}, "row 4: id: must be a string or an integer"),
-])
+@pytest.mark.parametrize(
+    "record, expected",
+    [
+        (None, "row 4: not valid JSON"),
+        ({"text": "no prompt field"}, "row 4: no prompt"),
+        ({"prompt": ""}, "row 4: prompt: empty prompt"),
+        ({"prompt": 5}, "row 4: prompt: must be text"),
+        ({"messages": []}, "row 4: messages: empty list"),
+        ({"messages": "hello"}, "row 4: messages: must be a non-empty list of chat messages"),
+        ({"messages": [{"content": "x"}]}, "row 4: messages: each chat message needs"),
+        ({"messages": [{"role": "user", "content": 3}]}, "row 4: messages: chat template failed"),
+        ({"input_ids": "abc"}, "row 4: input_ids: must be a non-empty list of integer token ids"),
+        ({"input_ids": [1, True]}, "row 4: input_ids: must be a non-empty list"),
+        ({"input_ids": [1, 9999]}, "row 4: input_ids: token id 9999 at position 1 is outside the vocabulary"),
+        ({"input_ids": [-1]}, "row 4: input_ids: token id -1 at position 0"),
+        (
+            {"prompt": "x" * 60},
+            "row 4: prompt: prompt of 61 tokens plus max_tokens 8 exceeds the model's context of 64",
+        ),
+        ({"prompt": "a", "max_tokens": 0}, "row 4: max_tokens: must be an integer >= 1, got 0"),
+        ({"prompt": "a", "max_tokens": "ten"}, "row 4: max_tokens: must be an integer >= 1, got 'ten'"),
+        ({"prompt": "a", "temperature": -1}, "row 4: temperature: must be a number >= 0"),
+        ({"prompt": "a", "top_p": 2}, "row 4: top_p: must be in (0, 1]"),
+        ({"prompt": "a", "top_k": 1.5}, "row 4: top_k: must be an integer >= 0"),
+        ({"prompt": "a", "min_p": "x"}, "row 4: min_p: must be in [0, 1]"),
+        ({"prompt": "a", "seed": "s"}, "row 4: seed: must be an integer"),
+        ({"prompt": "a", "n": 0}, "row 4: n: must be an integer >= 1"),
+        ({"prompt": "a", "stop": 5}, "row 4: stop: must be a string or a list of strings"),
+        ({"prompt": "a", "stop": [""]}, "row 4: stop: must be non-empty strings"),
+        ({"prompt": "a", "id": {"x": 1}}, "row 4: id: must be a string or an integer"),
+    ],
+)
 def test_bad_rows_name_row_field_and_reason(record, expected):
     bad = prepare(make(), record, index=4, error="not valid JSON: oops" if record is None else None)
     assert isinstance(bad, BadRow), bad

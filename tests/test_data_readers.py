@@ -54,8 +54,11 @@ def test_parquet_file_and_directory_stream_rows_with_total(tmp_path):
     pq.write_table(table, tmp_path / "one.parquet")
     source = open_input(str(tmp_path / "one.parquet"), columns={"id", "prompt"})
     assert source.total == 3
-    assert [r.record for r in source] == [{"id": "x", "prompt": "a"}, {"id": "y", "prompt": "b"},
-                                          {"id": "z", "prompt": "c"}]
+    assert [r.record for r in source] == [
+        {"id": "x", "prompt": "a"},
+        {"id": "y", "prompt": "b"},
+        {"id": "z", "prompt": "c"},
+    ]
     folder = tmp_path / "dir"
     folder.mkdir()
     pq.write_table(table.slice(0, 2), folder / "part-0.parquet")
@@ -69,7 +72,8 @@ def test_parquet_file_and_directory_stream_rows_with_total(tmp_path):
 def test_saved_hf_dataset_is_read_by_path(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_list([{"prompt": "a", "id": "1"}, {"prompt": "b", "id": "2"}]).save_to_disk(
-        str(tmp_path / "ds"))
+        str(tmp_path / "ds")
+    )
     for source in (open_input(None, dataset=str(tmp_path / "ds")), open_input(str(tmp_path / "ds"))):
         assert source.total == 2
         assert [r.record["prompt"] for r in source] == ["a", "b"]
@@ -82,7 +86,7 @@ def test_missing_and_unknown_inputs_raise_input_error(tmp_path):
     with pytest.raises(InputError, match="unknown input format"):
         open_input(str(tmp_path / "x.csv"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(InputError, match="no .parquet files"):
+    with pytest.raises(InputError, match=r"no \.parquet files"):
         open_input(str(tmp_path / "empty"))
     with pytest.raises(InputError, match="cannot load dataset"):
         open_input(None, dataset=str(tmp_path / "no-such-dataset"))

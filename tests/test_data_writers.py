@@ -17,9 +17,19 @@ FMT = CbrunFormat(logprobs=True, keep_columns=("label",))
 
 
 def row(i, sample=0, reason="length", error=None, label=None):
-    return {"id": str(i), "sample": sample, "completion": f"c{i}", "completion_token_ids": [i, i + 1],
-            "logprobs": [-0.5, -0.25], "finish_reason": reason, "num_prompt_tokens": 3,
-            "num_completion_tokens": 2, "num_cached_tokens": 0, "error": error, "label": label}
+    return {
+        "id": str(i),
+        "sample": sample,
+        "completion": f"c{i}",
+        "completion_token_ids": [i, i + 1],
+        "logprobs": [-0.5, -0.25],
+        "finish_reason": reason,
+        "num_prompt_tokens": 3,
+        "num_completion_tokens": 2,
+        "num_cached_tokens": 0,
+        "error": error,
+        "label": label,
+    }
 
 
 def test_jsonl_writer_flushes_every_n_rows_and_after_a_delay():
@@ -62,9 +72,14 @@ def test_resume_cuts_a_partial_last_line_and_collects_done_samples(tmp_path):
 
 def test_resume_drops_killed_and_duplicate_lines_and_keys_bad_rows_by_number(tmp_path):
     path = tmp_path / "o.jsonl"
-    rows = [row(0), row(1, reason="error", error="row 1 (engine): engine stopped before the request finished"),
-            row(2, reason="cancelled"), row(0), row(5, reason="error", error="row 5 (line 7): prompt: empty prompt"),
-            row(6, reason="error", error="row 6 (engine): boom")]
+    rows = [
+        row(0),
+        row(1, reason="error", error="row 1 (engine): engine stopped before the request finished"),
+        row(2, reason="cancelled"),
+        row(0),
+        row(5, reason="error", error="row 5 (line 7): prompt: empty prompt"),
+        row(6, reason="error", error="row 6 (engine): boom"),
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "garbage\n")
     state = load_resume_state(path, "jsonl", FMT.classify)
     kept = [json.loads(line) for line in path.read_text().splitlines()]
@@ -104,8 +119,9 @@ def test_parquet_resume_reads_file_and_journal_and_merges_without_duplicates(tmp
     first.close()
     # a killed second run: journal holds row 2, a stale copy of row 1 and a partial line
     journal = journal_path(path)
-    journal.write_bytes((json.dumps(row(2, label="c")) + "\n" + json.dumps(row(1, label="b")) + "\n"
-                         + '{"id": "9"').encode())
+    journal.write_bytes(
+        (json.dumps(row(2, label="c")) + "\n" + json.dumps(row(1, label="b")) + "\n" + '{"id": "9"').encode()
+    )
     state = load_resume_state(path, "parquet", FMT.classify)
     assert state.done == {("0", 0), ("1", 0), ("2", 0)}
     third = ParquetOutput(path, FMT)

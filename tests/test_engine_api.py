@@ -4,10 +4,10 @@ import threading
 import time
 
 import pytest
+from engine_helpers import random_prompts, run_engine
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.models import load_model
-from engine_helpers import random_prompts, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +142,10 @@ def test_add_requests_from_threads(llama):
     model, tokenizer = llama
     prompts = random_prompts(_vocab(model), [12] * 8, seed=8)
     with Engine(model, tokenizer, EngineConfig(num_blocks=100)) as engine:
-        threads = [threading.Thread(target=engine.add_request, args=(p, {"max_tokens": 3}, f"t{i}"))
-                   for i, p in enumerate(prompts)]
+        threads = [
+            threading.Thread(target=engine.add_request, args=(p, {"max_tokens": 3}, f"t{i}"))
+            for i, p in enumerate(prompts)
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -3,9 +3,9 @@
 import copy
 
 import pytest
+from engine_helpers import load_pair, random_prompts, reference_greedy, reference_logprobs, run_engine, spread
 
 from cbrun.engine import EngineConfig
-from engine_helpers import load_pair, random_prompts, reference_greedy, reference_logprobs, run_engine, spread
 
 # (page_size, max_batch_tokens, scheduler, max_requests_per_batch): every pair of values
 # across the four knobs appears in at least one row (a pairwise covering set).
@@ -62,8 +62,13 @@ def smollm_case(smollm2):
 
 def _check_parity(case, page, budget, scheduler, max_requests):
     engine_model, _, tokenizer, prompts, refs = case
-    config = EngineConfig(page_size=page, max_batch_tokens=budget, scheduler=scheduler,
-                          max_requests_per_batch=max_requests, num_blocks=4096 // page * 8)
+    config = EngineConfig(
+        page_size=page,
+        max_batch_tokens=budget,
+        scheduler=scheduler,
+        max_requests_per_batch=max_requests,
+        num_blocks=4096 // page * 8,
+    )
     results = run_engine(engine_model, tokenizer, prompts, MAX_TOKENS, config)
     for prompt, result, ref in zip(prompts, results, refs):
         assert result.error is None
@@ -90,7 +95,7 @@ def test_greedy_matches_generate_smollm2(smollm_case, page, budget, scheduler, m
 @pytest.mark.parametrize("case_name", ["llama_case", "qwen3_case", "smollm_case"])
 def test_logprobs_match_plain_forward(request, case_name):
     case = request.getfixturevalue(case_name)
-    engine_model, ref_model, tokenizer, prompts, refs = case
+    engine_model, ref_model, tokenizer, prompts, _refs = case
     config = EngineConfig(page_size=64, max_batch_tokens=128, num_blocks=512)
     results = run_engine(engine_model, tokenizer, prompts[:12], MAX_TOKENS[:12], config)
     for prompt, result in zip(prompts, results):

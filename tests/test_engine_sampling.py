@@ -1,11 +1,11 @@
 """Sampling behaviour: seeds independent of the batch, top-k 1, stop conditions, n samples."""
 
 import pytest
+from engine_helpers import random_prompts, run_engine
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.sampler import uniform_for
 from cbrun.models import load_model
-from engine_helpers import random_prompts, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,9 @@ def test_stop_token_ids_end_with_stop(llama):
     prompt = random_prompts(_vocab(model), [16], seed=8)[0]
     free_run = run_engine(model, tokenizer, [prompt], [12], EngineConfig(num_blocks=64), ignore_eos=True)[0]
     stop_token = free_run.token_ids[3]
-    result = run_engine(model, tokenizer, [prompt], [12], EngineConfig(num_blocks=64), ignore_eos=True,
-                        stop_token_ids=(stop_token,))[0]
+    result = run_engine(
+        model, tokenizer, [prompt], [12], EngineConfig(num_blocks=64), ignore_eos=True, stop_token_ids=(stop_token,)
+    )[0]
     first = free_run.token_ids.index(stop_token)
     assert result.token_ids == free_run.token_ids[: first + 1]
     assert result.finish_reason == "stop"
@@ -94,9 +95,8 @@ def test_stop_string_cuts_text_and_ends_with_stop(llama):
     free_run = run_engine(model, tokenizer, [prompt], [24], EngineConfig(num_blocks=64), ignore_eos=True)[0]
     text = free_run.text
     assert len(text) > 6, "the tiny model should produce some text"
-    stop = text[len(text) // 2: len(text) // 2 + 3]
-    result = run_engine(model, tokenizer, [prompt], [24], EngineConfig(num_blocks=64), ignore_eos=True,
-                        stop=(stop,))[0]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    result = run_engine(model, tokenizer, [prompt], [24], EngineConfig(num_blocks=64), ignore_eos=True, stop=(stop,))[0]
     assert result.finish_reason == "stop"
     assert result.text == text[: text.find(stop)]
     assert len(result.token_ids) < len(free_run.token_ids) or text.endswith(stop)

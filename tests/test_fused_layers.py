@@ -74,15 +74,16 @@ def test_rope_is_bit_identical_to_transformers(dim):
     angles = torch.randn(tokens, dim // 2) * 5
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # [T, D]
     q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)[None]  # [1, H, T, D]
-    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(tokens, kv_heads, dim).transpose(0, 1)[None]
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim).transpose(0, 1)[None]
     expected_q, expected_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
-    values = qkv[:, (heads + kv_heads) * dim:].clone()
+    values = qkv[:, (heads + kv_heads) * dim :].clone()
     kernels.rope(qkv, heads + kv_heads, cos, sin)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)  # q, k are views of qkv
-    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], values)  # v untouched
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], values)  # v untouched
 
 
 # -- install and probe ------------------------------------------------------------------
+
 
 class _CountingKernels:
     """The kernels, counting calls by name."""
@@ -98,6 +99,7 @@ class _CountingKernels:
         def counted(*args, **kwargs):
             self.calls[name] += 1
             return function(*args, **kwargs)
+
         return counted
 
 

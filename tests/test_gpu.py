@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import random_prompts
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.models import load_model
-from engine_helpers import random_prompts
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -32,8 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def gpu(test):
     """Mark a test `gpu` and skip it, saying why, where it cannot run."""
-    reason = ("no CUDA device (torch.cuda.is_available() is False): GPU tests run on a GPU machine, "
-              "see scripts/gpu_check.sh") if not HAS_CUDA else "triton is not installed"
+    reason = (
+        (
+            "no CUDA device (torch.cuda.is_available() is False): GPU tests run on a GPU machine, "
+            "see scripts/gpu_check.sh"
+        )
+        if not HAS_CUDA
+        else "triton is not installed"
+    )
     return pytest.mark.gpu(pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason=reason)(test))
 
 
@@ -48,17 +54,19 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
 @torch.inference_mode()
 def _generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, num_beams=1)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def _engine_greedy(model, tokenizer, prompts, max_tokens: int, backend: str) -> list:
     config = EngineConfig(backend=backend, page_size=16, num_blocks=256, max_batch_tokens=32)
     with Engine(model, tokenizer, config) as engine:
         if backend == "triton":
-            assert engine.core.backend.name == "triton" and engine.core.backend.attends_rows, \
+            assert engine.core.backend.name == "triton" and engine.core.backend.attends_rows, (
                 engine.core.backend.describe()
+            )
         return engine.generate_batch(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
 
 
@@ -194,19 +202,29 @@ def test_triton_backend_under_interpreter_matches_torch(tiny_llama_dir, tiny_qwe
     model.generate's greedy tokens, on a tiny Llama (head_dim 16) and a tiny Qwen3 (head_dim 32, q/k norms)."""
     directories = [str(tiny_llama_dir), str(tiny_qwen3_dir)]
     prompts = _prompts(512, seed=3)[3:]  # 7 prompts of 17..75 tokens: chunked by the 32-token budget, 2 shared prefixes
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.run([sys.executable, "-c", _INTERPRETER_CHILD, json.dumps(directories), json.dumps(prompts), "6"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    child = subprocess.run(
+        [sys.executable, "-c", _INTERPRETER_CHILD, json.dumps(directories), json.dumps(prompts), "6"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-5000:]
-    line = next((l for l in child.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((out for out in child.stdout.splitlines() if out.startswith("RESULT ")), None)
     assert line is not None, child.stdout[-3000:] + child.stderr[-3000:]
     results = json.loads(line.removeprefix("RESULT "))
     for directory in directories:
         result, name = results[directory], Path(directory).name
         assert "Triton paged attention on cpu" in result["triton_backend"], result["triton_backend"]
         for prompt, ref, (tri, tri_lp, tri_err), (tor, tor_lp, tor_err) in zip(
-                prompts, result["generate"], result["triton"], result["torch"]):
+            prompts, result["generate"], result["triton"], result["torch"]
+        ):
             assert tri_err is None and tor_err is None, (name, tri_err, tor_err)
             assert tri == tor, f"{name}, prompt of {len(prompt)} tokens: triton {tri} vs torch {tor}"
             assert tri == ref, f"{name}, prompt of {len(prompt)} tokens: triton {tri} vs model.generate {ref}"

@@ -29,8 +29,12 @@ GATED = "tiny-org/gated-llama"
 TOKEN = "hf_test_token"
 COMMITS = {"main": "a" * 40, "v1": "b" * 40}
 # Files a real repo often carries besides what loading needs; none of them may be fetched.
-EXTRA_FILES = {"pytorch_model.bin": b"stale duplicate", "original/consolidated.pth": b"meta format",
-               "tiny.Q4_0.gguf": b"GGUF", "README.md": b"# tiny"}
+EXTRA_FILES = {
+    "pytorch_model.bin": b"stale duplicate",
+    "original/consolidated.pth": b"meta format",
+    "tiny.Q4_0.gguf": b"GGUF",
+    "README.md": b"# tiny",
+}
 
 
 class FakeHub:
@@ -61,33 +65,46 @@ class FakeHub:
 
     def fetched(self) -> set[str]:
         """Names of the files whose content was downloaded (GET on a resolve URL)."""
-        return {m.group(1) for method, path, _ in self.requests if method == "GET"
-                if (m := re.match(r"/[^/]+/[^/]+/resolve/[^/]+/(.+)", path))}
+        return {
+            m.group(1)
+            for method, path, _ in self.requests
+            if method == "GET"
+            if (m := re.match(r"/[^/]+/[^/]+/resolve/[^/]+/(.+)", path))
+        }
 
     def handle(self, request: BaseHTTPRequestHandler, body: bool) -> None:
         auth = request.headers.get("Authorization")
         path = request.path.split("?")[0]
         self.requests.append((request.command, path, auth))
-        match = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?", path) or \
-            re.fullmatch(r"/([^/]+/[^/]+)/(resolve)/([^/]+)/(.+)", path)
+        match = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?", path) or re.fullmatch(
+            r"/([^/]+/[^/]+)/(resolve)/([^/]+)/(.+)", path
+        )
         if match is None:
             return self.reply(request, 404, b"{}", {"X-Error-Code": "EntryNotFound"}, body)
         repo, kind, revision = match.group(1), match.group(2) or "revision", match.group(3) or "main"
         if repo not in (REPO, GATED):
-            return self.reply(request, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"},
-                              body)
+            return self.reply(
+                request, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, body
+            )
         if repo == GATED and auth != f"Bearer {TOKEN}":
             return self.reply(request, 403, b'{"error": "gated"}', {"X-Error-Code": "GatedRepo"}, body)
         commit = COMMITS.get(revision, revision if revision in COMMITS.values() else None)
         if commit is None:
             return self.reply(request, 404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound"}, body)
         if kind == "revision":
-            info = {"id": repo, "modelId": repo, "sha": commit, "private": False,
-                    "siblings": [{"rfilename": name} for name in sorted(self.files)]}
+            info = {
+                "id": repo,
+                "modelId": repo,
+                "sha": commit,
+                "private": False,
+                "siblings": [{"rfilename": name} for name in sorted(self.files)],
+            }
             return self.reply(request, 200, json.dumps(info).encode(), {}, body)
         if kind == "tree":
-            tree = [{"type": "file", "path": name, "size": len(data), "oid": _oid(data)}
-                    for name, data in sorted(self.files.items())]
+            tree = [
+                {"type": "file", "path": name, "size": len(data), "oid": _oid(data)}
+                for name, data in sorted(self.files.items())
+            ]
             return self.reply(request, 200, json.dumps(tree).encode(), {}, body)
         name = match.group(4)
         if name not in self.files:
@@ -124,8 +141,9 @@ def hub_env(fake_hub, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "ENDPOINT", fake_hub.url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                        fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
@@ -206,15 +224,32 @@ def test_revision_is_refused_for_local_models(tiny_llama_dir):
 
 
 def test_only_transformers_weights_are_chosen_from_a_repo_listing():
-    listing = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md",
-               "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-               "model.safetensors.index.json", "consolidated.safetensors", "pytorch_model.bin",
-               "original/params.json", "onnx/model.onnx", "chat_template.jinja"]
+    listing = [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "consolidated.safetensors",
+        "pytorch_model.bin",
+        "original/params.json",
+        "onnx/model.onnx",
+        "chat_template.jinja",
+    ]
 
     assert hub_files_to_fetch(listing) == [
-        "chat_template.jinja", "config.json", "generation_config.json", "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
-        "tokenizer_config.json"]
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert hub_files_to_fetch(["config.json", "pytorch_model.bin"]) == ["config.json", "pytorch_model.bin"]
 
 
@@ -223,8 +258,24 @@ def test_cli_downloads_a_revision_with_a_progress_bar_on_stderr(fake_hub, tmp_pa
     prompts.write_text(json.dumps({"prompt": "hello world"}) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
     env.update(HF_ENDPOINT=fake_hub.url, HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "cbrun", "generate", str(prompts), str(tmp_path / "out.jsonl"),
-               "--model", REPO, "--revision", "v1", "--max-tokens", "4", "--temperature", "0", "--dtype", "float32"]
+    command = [
+        sys.executable,
+        "-m",
+        "cbrun",
+        "generate",
+        str(prompts),
+        str(tmp_path / "out.jsonl"),
+        "--model",
+        REPO,
+        "--revision",
+        "v1",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--dtype",
+        "float32",
+    ]
 
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 

@@ -51,12 +51,13 @@ def _instruction_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     float64 sum is inexact the smaller term is below 2^-29 of the larger, which
     lies on the fp32 grid, so the second rounding cannot cross an fp32 midpoint.
     """
+
     def read(t):  # denormal inputs read as zero (bf16 shares fp32's exponent range)
         t = t.double()
-        return torch.where(t.abs() < 2.0 ** -126, torch.zeros_like(t) * torch.sign(t), t)
+        return torch.where(t.abs() < 2.0**-126, torch.zeros_like(t) * torch.sign(t), t)
 
     def flush(t):
-        return torch.where(t.abs() < 2.0 ** -126, torch.copysign(torch.zeros_like(t), t), t)
+        return torch.where(t.abs() < 2.0**-126, torch.copysign(torch.zeros_like(t), t), t)
 
     if x.shape[1] % 2:
         x, w = torch.nn.functional.pad(x, (0, 1)), torch.nn.functional.pad(w, (0, 1))
@@ -70,17 +71,24 @@ def _instruction_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _random_bits(shape, generator) -> torch.Tensor:
     """bf16 values of every kind: random bit patterns (denormals, infinities, NaNs included)."""
-    return torch.randint(-32768, 32768, shape, generator=generator, dtype=torch.int32).to(torch.int16) \
-        .view(torch.bfloat16)
+    return (
+        torch.randint(-32768, 32768, shape, generator=generator, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    )
 
 
 @pytest.mark.parametrize("rows,inner,outputs", SHAPES)
 def test_the_plain_c_reference_is_the_instruction_model(rows, inner, outputs):
     generator = torch.Generator().manual_seed(inner)
-    for x, w in [(torch.randn(rows, inner, generator=generator).bfloat16(),
-                  torch.randn(outputs, inner, generator=generator).bfloat16()),
-                 ((torch.randn(rows, inner, generator=generator) * 1e-19).bfloat16(),  # denormal partial sums
-                  (torch.randn(outputs, inner, generator=generator) * 1e-19).bfloat16())]:
+    for x, w in [
+        (
+            torch.randn(rows, inner, generator=generator).bfloat16(),
+            torch.randn(outputs, inner, generator=generator).bfloat16(),
+        ),
+        (
+            (torch.randn(rows, inner, generator=generator) * 1e-19).bfloat16(),  # denormal partial sums
+            (torch.randn(outputs, inner, generator=generator) * 1e-19).bfloat16(),
+        ),
+    ]:
         got = DP_SCALAR.make(kernels, [w], [None])(x, torch.float32)
         assert _same_bits(got, _instruction_model(x, w))
 
@@ -98,10 +106,12 @@ def test_each_variant_gives_the_reference_bits(variant, rows, inner, outputs):
     method = {"twin": DP_TWIN, "isa": DP_ISA}[variant]
     w = torch.randn(outputs, inner, generator=generator).bfloat16()
     bias = torch.randn(outputs, generator=generator).bfloat16()
-    cases = [torch.randn(rows, inner, generator=generator).bfloat16(),
-             torch.randn(rows, inner, generator=generator),  # fp32 x: rounded to bf16 first, by every variant
-             (torch.randn(rows, inner, generator=generator) * 1e-19).bfloat16(),
-             _random_bits((rows, inner), generator)]
+    cases = [
+        torch.randn(rows, inner, generator=generator).bfloat16(),
+        torch.randn(rows, inner, generator=generator),  # fp32 x: rounded to bf16 first, by every variant
+        (torch.randn(rows, inner, generator=generator) * 1e-19).bfloat16(),
+        _random_bits((rows, inner), generator),
+    ]
     for x in cases:
         for out_dtype in (torch.float32, torch.bfloat16):
             expected = DP_SCALAR.make(kernels, [w], [bias])(x, out_dtype)
@@ -118,11 +128,11 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_crowd(variant):
     w = torch.randn(70, 576, generator=generator).bfloat16()
     layer = method.make(kernels, [w], [None])
     crowd = torch.randn(300, 576, generator=generator).bfloat16()
-    alone = torch.cat([layer(crowd[i:i + 1], torch.float32) for i in range(0, 300, 37)])
+    alone = torch.cat([layer(crowd[i : i + 1], torch.float32) for i in range(0, 300, 37)])
     for size in (2, 8, 9, 63, 300):
         together = layer(crowd[:size], torch.float32)
         rows = list(range(0, size, 37))
-        assert _same_bits(together[rows], alone[:len(rows)])
+        assert _same_bits(together[rows], alone[: len(rows)])
 
 
 def test_side_by_side_weights_equal_each_weight_alone():
@@ -152,8 +162,7 @@ class _NotInvariant(LinearMethod):
         return _GrowsWithTheBatch(weights[0])
 
 
-def test_the_self_check_rejects_a_method_whose_rows_depend_on_the_batch_and_the_next_serves(tmp_path,
-                                                                                           monkeypatch):
+def test_the_self_check_rejects_a_method_whose_rows_depend_on_the_batch_and_the_next_serves(tmp_path, monkeypatch):
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path))
     bogus = _NotInvariant("test-not-invariant", torch.bfloat16, True, "double")
     shapes = [Shape(48, 64)]
@@ -203,15 +212,33 @@ def test_the_portable_policy_picks_the_instruction_where_the_cpu_has_it(tmp_path
     assert kernels.dp_variant_runs("isa") == bool({"avx512_bf16"} & set(cpu_flags().split()))
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("gcc") is None,
-                    reason="the ISA source compiles with gcc on x86-64")
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("gcc") is None,
+    reason="the ISA source compiles with gcc on x86-64",
+)
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "znver3", "znver4", "sapphirerapids"])
 def test_the_isa_source_compiles_for_every_x86_target(march, tmp_path):
     """The vdpbf16ps code carries its own target attribute, so a typo cannot hide until a user's CPU runs it."""
     source = Path(__file__).resolve().parent.parent / "cbrun" / "engine" / "cpu" / "csrc" / "linear_dpbf16.c"
-    result = subprocess.run(["gcc", "-O2", f"-march={march}", "-ffp-contract=fast", "-fopenmp", "-Wall", "-Wextra",
-                             "-Werror", "-Wno-psabi", "-c", str(source), "-o", str(tmp_path / "dp.o")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            f"-march={march}",
+            "-ffp-contract=fast",
+            "-fopenmp",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-Wno-psabi",
+            "-c",
+            str(source),
+            "-o",
+            str(tmp_path / "dp.o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if "unrecognized" in result.stderr or "bad value" in result.stderr:
         pytest.skip(f"this gcc does not know -march={march}")
     assert result.returncode == 0, result.stderr

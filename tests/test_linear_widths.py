@@ -51,12 +51,12 @@ def _fp32_bound(x: torch.Tensor, w: torch.Tensor, reference: torch.Tensor) -> to
     """A bound on the rounding error of a K-long fp32 multiply-add chain, K * 2^-24 * (|x| @ |w|^T), and of the
     bias added to it, 2^-24 * |result|."""
     inner = x.shape[1]
-    return (inner + 1) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) + 2.0 ** -23 * reference.abs()
+    return (inner + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 2.0**-23 * reference.abs()
 
 
 def _assert_close(got: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor) -> None:
     """got within the fp32 chain's bound of the float64 reference, plus bf16's rounding when got is bf16."""
-    allowed = bound + (2.0 ** -8 * reference.abs() if got.dtype == torch.bfloat16 else 0)
+    allowed = bound + (2.0**-8 * reference.abs() if got.dtype == torch.bfloat16 else 0)
     error = (got.double() - reference).abs()
     assert bool((error <= allowed + 1e-30).all()), f"max error {error.max():.3g}, max allowed {allowed.max():.3g}"
 
@@ -91,14 +91,18 @@ DTYPES = [
 @pytest.mark.parametrize("inner", INNER)
 def test_linear_many_is_bitwise_the_same_at_both_widths(builds, x_dtype, w_dtype, y_dtype, inner):
     gen = torch.Generator().manual_seed(inner)
-    scale = inner ** -0.5
+    scale = inner**-0.5
     x_all = (torch.randn(max(ROWS), inner, generator=gen)).to(x_dtype)
     weights = [(torch.randn(n, inner, generator=gen) * scale).to(w_dtype) for n in WIDTHS]
-    biases = [torch.randn(WIDTHS[0], generator=gen).to(w_dtype), None,
-              torch.randn(WIDTHS[2], generator=gen).to(w_dtype)]
+    biases = [
+        torch.randn(WIDTHS[0], generator=gen).to(w_dtype),
+        None,
+        torch.randn(WIDTHS[2], generator=gen).to(w_dtype),
+    ]
     w_cat = torch.cat(weights).double()
-    b_cat = torch.cat([b.double() if b is not None else torch.zeros(n, dtype=torch.float64)
-                       for b, n in zip(biases, WIDTHS)])
+    b_cat = torch.cat(
+        [b.double() if b is not None else torch.zeros(n, dtype=torch.float64) for b, n in zip(biases, WIDTHS)]
+    )
     reference = x_all.double() @ w_cat.T + b_cat  # of every row: each M checks its first M rows
     bound = _fp32_bound(x_all, w_cat, reference)
     full = {}
@@ -116,12 +120,11 @@ def test_linear_many_is_bitwise_the_same_at_both_widths(builds, x_dtype, w_dtype
 @pytest.mark.parametrize("inner", INNER)
 def test_gated_silu_is_bitwise_the_same_at_both_widths(builds, dtype, inner):
     gen = torch.Generator().manual_seed(100 + inner)
-    scale = 2 * inner ** -0.5  # gate values of a few units: both tails of the SiLU
+    scale = 2 * inner**-0.5  # gate values of a few units: both tails of the SiLU
     x_all = torch.randn(max(ROWS), inner, generator=gen).to(dtype)
     for width, with_bias in ((7, True), (1536, False)):
         gate, up = ((torch.randn(width, inner, generator=gen) * scale).to(dtype) for _ in range(2))
-        gate_bias, up_bias = ((torch.randn(width, generator=gen).to(dtype) if with_bias else None)
-                              for _ in range(2))
+        gate_bias, up_bias = ((torch.randn(width, generator=gen).to(dtype) if with_bias else None) for _ in range(2))
         g = x_all.double() @ gate.double().T + (gate_bias.double() if with_bias else 0)
         u = x_all.double() @ up.double().T + (up_bias.double() if with_bias else 0)
         reference = torch.nn.functional.silu(g) * u

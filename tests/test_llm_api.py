@@ -7,18 +7,24 @@ import json
 import typing
 
 import pytest
-
-from cbrun import LLM, CompletionOutput, GuidedDecodingParams, Logprob, RequestOutput, SamplingParams, \
-    StructuredOutputsParams
-from cbrun.cli.app import main
-from cbrun.llm.engine_args import UNSUPPORTED as UNSUPPORTED_OPTIONS
-from cbrun.llm.params import UNSUPPORTED as UNSUPPORTED_FIELDS
-from cbrun.llm.params import UnsupportedFieldError
-from cbrun.models import load_model
 from engine_helpers import reference_logprobs
 
+from cbrun import (
+    LLM,
+    CompletionOutput,
+    GuidedDecodingParams,
+    Logprob,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from cbrun.cli.app import main
+from cbrun.llm.engine_args import UNSUPPORTED as UNSUPPORTED_OPTIONS
+from cbrun.llm.params import UNSUPPORTED as UNSUPPORTED_FIELDS, UnsupportedFieldError
+from cbrun.models import load_model
+
 # A script as a vLLM user writes it; only its import line is changed to cbrun.
-VLLM_SCRIPT = '''
+VLLM_SCRIPT = """
 from cbrun import LLM, SamplingParams
 
 llm = LLM(model=MODEL, dtype="float32", seed=0, enable_prefix_caching=True, max_num_seqs=64,
@@ -29,13 +35,13 @@ outputs = llm.generate(["the quick brown fox", {"prompt_token_ids": [1, 40, 41, 
                        [greedy, greedy, sampled])
 chats = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                  SamplingParams(temperature=0.0, max_tokens=8))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
 def script(tiny_llama_dir):
     scope = {"MODEL": str(tiny_llama_dir)}
-    exec(VLLM_SCRIPT, scope)  # noqa: S102 - the test's own script
+    exec(VLLM_SCRIPT, scope)
     yield scope
     scope["llm"].close()
 
@@ -48,18 +54,40 @@ def llm(script):
 def cli_greedy_tokens(model_dir, rows, folder) -> dict[str, list[int]]:
     source, target = folder / "in.jsonl", folder / "out.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert main(["generate", str(source), str(target), "-m", str(model_dir), "--max-tokens", "8",
-                 "--temperature", "0", "--num-blocks", "256", "--dtype", "float32", "-q"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(source),
+                str(target),
+                "-m",
+                str(model_dir),
+                "--max-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--num-blocks",
+                "256",
+                "--dtype",
+                "float32",
+                "-q",
+            ]
+        )
+        == 0
+    )
     return {r["id"]: r["completion_token_ids"] for r in map(json.loads, target.read_text().splitlines())}
 
 
-def test_vllm_script_with_only_the_import_changed_gives_cbrun_generates_greedy_tokens(script, tiny_llama_dir,
-                                                                                     tmp_path):
-    cli = cli_greedy_tokens(tiny_llama_dir, [
-        {"id": "fox", "prompt": "the quick brown fox"},
-        {"id": "ids", "input_ids": [1, 40, 41, 42, 43]},
-        {"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
-    ], tmp_path)
+def test_vllm_script_with_only_the_import_changed_gives_cbrun_generates_greedy_tokens(script, tiny_llama_dir, tmp_path):
+    cli = cli_greedy_tokens(
+        tiny_llama_dir,
+        [
+            {"id": "fox", "prompt": "the quick brown fox"},
+            {"id": "ids", "input_ids": [1, 40, 41, 42, 43]},
+            {"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        ],
+        tmp_path,
+    )
     outputs, chats = script["outputs"], script["chats"]
     assert [o.request_id for o in outputs] == ["0", "1", "2"]  # input order
     assert outputs[0].outputs[0].token_ids == cli["fox"]
@@ -75,7 +103,7 @@ def _check_type(value, annotation) -> bool:
     origin = typing.get_origin(annotation)
     if annotation is typing.Any:
         return True
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, __import__("types").UnionType):
         return any(_check_type(value, arg) for arg in typing.get_args(annotation))
     if annotation is type(None):
         return value is None
@@ -85,7 +113,7 @@ def _check_type(value, annotation) -> bool:
     if origin is dict:
         key, item = typing.get_args(annotation)
         return isinstance(value, dict) and all(_check_type(k, key) and _check_type(v, item) for k, v in value.items())
-    if isinstance(annotation, typing.ForwardRef) or isinstance(annotation, str):
+    if isinstance(annotation, (typing.ForwardRef, str)):
         return True
     return isinstance(value, annotation)
 
@@ -110,8 +138,9 @@ def test_every_listed_field_is_present_with_vllms_type(script):
             assert isinstance(token_id, int) and isinstance(entry, Logprob)
             assert isinstance(entry.logprob, float) and isinstance(entry.decoded_token, str)
             assert entry.rank is None or isinstance(entry.rank, int)
-    assert completion.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in
-                                                              zip(completion.token_ids, completion.logprobs)))
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs))
+    )
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     hints = typing.get_type_hints(CompletionOutput)
     for field in dataclasses.fields(CompletionOutput):
@@ -134,8 +163,9 @@ def test_greedy_ranks_are_one_and_logprobs_match_a_plain_forward(script, tiny_ll
 
 def test_logprobs_at_another_temperature_are_raw_like_vllms(llm, tiny_llama_dir):
     prompt = [1, 40, 41, 42, 43]
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.6, max_tokens=6, logprobs=1,
-                                                                    seed=1), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0.6, max_tokens=6, logprobs=1, seed=1), use_tqdm=False
+    )[0].outputs[0]
     reference, _ = load_model(str(tiny_llama_dir), dtype="float32")
     expected = reference_logprobs(reference, prompt, out.token_ids)  # temperature 1: vLLM's raw logprobs
     assert [p[t].logprob for t, p in zip(out.token_ids, out.logprobs)] == pytest.approx(expected, abs=1e-4)
@@ -153,36 +183,52 @@ def test_a_seeded_llm_gives_the_same_samples_on_every_run(tiny_llama_dir, llm):
 def test_stop_reason_names_the_stop_token_or_string(llm):
     free = llm.generate("the quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     tokens = free[0].outputs[0].token_ids
-    by_id = llm.generate("the quick brown fox", SamplingParams(temperature=0, max_tokens=8,
-                                                               stop_token_ids=[tokens[2]]), use_tqdm=False)
+    by_id = llm.generate(
+        "the quick brown fox", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[tokens[2]]), use_tqdm=False
+    )
     completion = by_id[0].outputs[0]
     assert completion.token_ids == tokens[:3] and completion.finish_reason == "stop"
     assert completion.stop_reason == tokens[2]
     text = free[0].outputs[0].text
-    stop = text[len(text) // 2:][:2]
-    by_text = llm.generate("the quick brown fox", SamplingParams(temperature=0, max_tokens=8, stop=[stop]),
-                           use_tqdm=False)[0].outputs[0]
-    assert by_text.stop_reason == stop and by_text.text == text[:text.find(stop)]
-    kept = llm.generate("the quick brown fox", SamplingParams(temperature=0, max_tokens=8, stop=[stop],
-                                                              include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
-    assert kept.text == text[:text.find(stop) + len(stop)]
+    stop = text[len(text) // 2 :][:2]
+    by_text = llm.generate(
+        "the quick brown fox", SamplingParams(temperature=0, max_tokens=8, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert by_text.stop_reason == stop and by_text.text == text[: text.find(stop)]
+    kept = llm.generate(
+        "the quick brown fox",
+        SamplingParams(temperature=0, max_tokens=8, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == text[: text.find(stop) + len(stop)]
 
 
 def test_max_model_len_caps_the_completion_as_vllm_does(tiny_llama_dir):
     with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=10, num_gpu_blocks_override=64) as small:
-        out = small.generate({"prompt_token_ids": [1, 40, 41, 42, 43, 44]}, SamplingParams(temperature=0,
-                                                                                           max_tokens=50),
-                             use_tqdm=False)[0].outputs[0]
+        out = small.generate(
+            {"prompt_token_ids": [1, 40, 41, 42, 43, 44]}, SamplingParams(temperature=0, max_tokens=50), use_tqdm=False
+        )[0].outputs[0]
         assert len(out.token_ids) == 4 and out.finish_reason == "length"
         with pytest.raises(ValueError, match="max_model_len"):
             small.generate({"prompt_token_ids": list(range(3, 13))}, use_tqdm=False)
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIELDS))
+def _not_neutral(neutral):
+    """A value of the field's kind that differs from its neutral one (bool, int and float keys of one dict would
+    collide: True == 1.0, 0 == 0.0)."""
+    if neutral is None:
+        return [1]
+    if isinstance(neutral, bool):
+        return not neutral
+    if isinstance(neutral, (int, float)):
+        return neutral + (3 if isinstance(neutral, int) else 0.5)
+    return "x"
+
+
 def test_unsupported_sampling_fields_raise_naming_the_field(name):
     neutral, _ = UNSUPPORTED_FIELDS[name]
-    value = {None: [1], True: False, 0: 3, 0.0: 0.5, 1.0: 1.2}.get(neutral, "x")
+    value = _not_neutral(neutral)
     with pytest.raises(UnsupportedFieldError, match=rf"SamplingParams\.{name}\b"):
         SamplingParams(**{name: value})
     SamplingParams(**{name: neutral})  # the neutral value is accepted
@@ -232,20 +278,22 @@ def test_skip_special_tokens_false_keeps_special_tokens_but_not_the_stop_token(l
     tokenizer = llm.get_tokenizer()
     prompt = {"prompt_token_ids": [1, 40, 41]}
     plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
-    special = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, skip_special_tokens=False),
-                           use_tqdm=False)[0].outputs[0]
+    special = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=6, skip_special_tokens=False), use_tqdm=False
+    )[0].outputs[0]
     assert special.token_ids == plain.token_ids
     ids = plain.token_ids[:-1] if plain.finish_reason == "stop" else plain.token_ids
     assert special.text == tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def test_structured_outputs_constrain_the_completion_as_vllms_params_ask(llm):
-    choice = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    choice = SamplingParams(
+        temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
     regex = SamplingParams(temperature=0, max_tokens=10, guided_decoding=GuidedDecodingParams(regex="[0-9]{3}"))
     as_dict = SamplingParams(temperature=0, max_tokens=10, structured_outputs={"choice": ["yes", "no"]})
-    picked, digits, again = llm.generate(["pick one", "a number", "pick one"], [choice, regex, as_dict],
-                                         use_tqdm=False)
+    picked, digits, again = llm.generate(["pick one", "a number", "pick one"], [choice, regex, as_dict], use_tqdm=False)
     assert picked.outputs[0].text in ("yes", "no") and again.outputs[0].text == picked.outputs[0].text
     assert len(digits.outputs[0].text) == 3 and digits.outputs[0].text.isdigit()
-    with pytest.raises(UnsupportedFieldError, match="StructuredOutputsParams.backend"):
+    with pytest.raises(UnsupportedFieldError, match=r"StructuredOutputsParams\.backend"):
         StructuredOutputsParams(regex="a", backend="xgrammar")

@@ -17,8 +17,13 @@ def env() -> dict:
 
 
 def run_rl_loop(*args: str) -> str:
-    done = subprocess.run([sys.executable, str(REPO / "examples" / "rl_loop.py"), *args], capture_output=True,
-                          text=True, env=env(), timeout=1800)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "rl_loop.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -35,13 +40,40 @@ def test_rl_loop_example_on_the_real_model(smollm2_gguf):
 
 
 def test_shell_pipeline_generate_then_reward(tiny_llama_dir):
-    generate = [sys.executable, "-m", "cbrun", "generate", str(REPO / "examples" / "rl_prompts.jsonl"), "-",
-                "-m", str(tiny_llama_dir), "--n", "8", "--seed", "1", "--temperature", "1", "--logprobs",
-                "--prompt-token-ids", "--keep-columns", "answer", "--max-tokens", "8", "--dtype", "float32", "-q"]
+    generate = [
+        sys.executable,
+        "-m",
+        "cbrun",
+        "generate",
+        str(REPO / "examples" / "rl_prompts.jsonl"),
+        "-",
+        "-m",
+        str(tiny_llama_dir),
+        "--n",
+        "8",
+        "--seed",
+        "1",
+        "--temperature",
+        "1",
+        "--logprobs",
+        "--prompt-token-ids",
+        "--keep-columns",
+        "answer",
+        "--max-tokens",
+        "8",
+        "--dtype",
+        "float32",
+        "-q",
+    ]
     rollouts = subprocess.run(generate, capture_output=True, text=True, env=env(), timeout=600)
     assert rollouts.returncode == 0, rollouts.stderr[-2000:]
-    scored = subprocess.run([sys.executable, str(REPO / "examples" / "reward.py")], input=rollouts.stdout,
-                            capture_output=True, text=True, timeout=60)
+    scored = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "reward.py")],
+        input=rollouts.stdout,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert scored.returncode == 0, scored.stderr
     rows = [json.loads(line) for line in scored.stdout.splitlines()]
     prompts = sum(1 for line in (REPO / "examples" / "rl_prompts.jsonl").read_text().splitlines() if line.strip())

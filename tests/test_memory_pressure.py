@@ -4,11 +4,11 @@ import logging
 import random
 
 import pytest
+from engine_helpers import load_pair, random_prompts, reference_greedy, run_engine
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.kv_cache import BlockPool, FullAttentionAllocator
 from cbrun.models import load_model
-from engine_helpers import load_pair, random_prompts, reference_greedy, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,7 @@ def _vocab(model):
 
 def _generate(model, tokenizer, prompts, config, max_tokens=16):
     with Engine(model, tokenizer, config) as engine:
-        outputs = engine.generate_batch(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                ignore_eos=True))
+        outputs = engine.generate_batch(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         return outputs, engine.stats()
 
 
@@ -64,8 +63,13 @@ def test_shared_system_prompt_is_computed_once(llama, page):
     prompts = [system + s for s in suffixes]
     config = EngineConfig(page_size=page, num_blocks=1200, max_batch_tokens=512)
     shared, stats = _generate(model, tokenizer, prompts, config, max_tokens=8)
-    unshared, plain = _generate(model, tokenizer, prompts, EngineConfig(
-        page_size=page, num_blocks=1200, max_batch_tokens=512, allow_block_sharing=False), max_tokens=8)
+    unshared, plain = _generate(
+        model,
+        tokenizer,
+        prompts,
+        EngineConfig(page_size=page, num_blocks=1200, max_batch_tokens=512, allow_block_sharing=False),
+        max_tokens=8,
+    )
     unique = sum(len(s) for s in suffixes)
     partial_page = len(system) % page
     assert stats.computed_prompt_tokens <= unique + len(system) + len(prompts) * (1 + partial_page)
@@ -175,10 +179,12 @@ def test_sliding_window_models_match_generate(request, fixture):
 
 def test_cache_is_sized_from_free_memory_when_not_given(llama, caplog):
     model, tokenizer = llama
-    with caplog.at_level(logging.INFO, logger="cbrun.engine"):
-        with Engine(model, tokenizer, EngineConfig(max_memory_percent=0.01)) as engine:
-            blocks = engine.stats().blocks_total
-            out = engine.generate_batch([[1, 2, 3]], SamplingParams(max_tokens=2))[0]
+    with (
+        caplog.at_level(logging.INFO, logger="cbrun.engine"),
+        Engine(model, tokenizer, EngineConfig(max_memory_percent=0.01)) as engine,
+    ):
+        blocks = engine.stats().blocks_total
+        out = engine.generate_batch([[1, 2, 3]], SamplingParams(max_tokens=2))[0]
     assert blocks > 16 and out.error is None
     assert any("cache sizing" in r.getMessage() for r in caplog.records)
 

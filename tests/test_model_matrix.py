@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import TINY_VOCAB_SIZE, save_tiny_model  # noqa: E402
+from helpers import TINY_VOCAB_SIZE, save_tiny_model
 
 WINDOW = 16  # sliding window of the tiny models: shorter than most test prompts
 README = Path(__file__).parent.parent / "README.md"
@@ -52,40 +52,133 @@ MATRIX: list[Arch] = [
     Arch("ministral", "MinistralConfig", "Ministral 8B", "hybrid", True, config=dict(head_dim=16, **_HYBRID)),
     Arch("qwen2", "Qwen2Config", "Qwen2.5", "full", True),
     Arch("qwen3", "Qwen3Config", "Qwen3 dense", "full", True, config=dict(head_dim=32)),
-    Arch("gemma", "GemmaConfig", "Gemma 1", "full", False,
-         "(1 + weight) RMSNorm and GELU MLP (the probe refuses the layer)", dict(head_dim=16)),
-    Arch("gemma2", "Gemma2Config", "Gemma 2", "hybrid", False,
-         f"{_NOT_LLAMA_SHAPED} (four norms); attention soft-capping runs on the torch attention path",
-         dict(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
-              initializer_range=0.3)),  # weights large enough that the cap changes the scores
-    Arch("gemma3_text", "Gemma3TextConfig", "Gemma 3 1B / 270M", "hybrid", False,
-         f"{_NOT_LLAMA_SHAPED} (four norms)", dict(head_dim=16, **_HYBRID)),
-    Arch("gemma3", "Gemma3Config", "Gemma 3 4B-27B (text only)", "hybrid", False,
-         f"{_NOT_LLAMA_SHAPED} (four norms); the vision tower is dropped at load",
-         dict(mm_tokens_per_image=4, vision_config=dict(
-             model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-             num_attention_heads=2, image_size=32, patch_size=8))),
+    Arch(
+        "gemma",
+        "GemmaConfig",
+        "Gemma 1",
+        "full",
+        False,
+        "(1 + weight) RMSNorm and GELU MLP (the probe refuses the layer)",
+        dict(head_dim=16),
+    ),
+    Arch(
+        "gemma2",
+        "Gemma2Config",
+        "Gemma 2",
+        "hybrid",
+        False,
+        f"{_NOT_LLAMA_SHAPED} (four norms); attention soft-capping runs on the torch attention path",
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=30.0,
+            initializer_range=0.3,
+        ),
+    ),  # weights large enough that the cap changes the scores
+    Arch(
+        "gemma3_text",
+        "Gemma3TextConfig",
+        "Gemma 3 1B / 270M",
+        "hybrid",
+        False,
+        f"{_NOT_LLAMA_SHAPED} (four norms)",
+        dict(head_dim=16, **_HYBRID),
+    ),
+    Arch(
+        "gemma3",
+        "Gemma3Config",
+        "Gemma 3 4B-27B (text only)",
+        "hybrid",
+        False,
+        f"{_NOT_LLAMA_SHAPED} (four norms); the vision tower is dropped at load",
+        dict(
+            mm_tokens_per_image=4,
+            vision_config=dict(
+                model_type="siglip_vision_model",
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+            ),
+        ),
+    ),
     Arch("phi3", "Phi3Config", "Phi-3, Phi-4-mini", "full", False, f"{_NOT_LLAMA_SHAPED} (packed qkv and gate_up)"),
     Arch("olmo2", "Olmo2Config", "OLMo 2", "full", False, f"{_NOT_LLAMA_SHAPED} (norms after each block)"),
-    Arch("granite", "GraniteConfig", "Granite 3.x", "full", False,
-         "residual and attention multipliers (the probe refuses the layer)",
-         dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
-    Arch("helium", "HeliumConfig", "Helium 1", "full", False, "interleaved rotary (the probe refuses the layer)",
-         dict(head_dim=16)),
-    Arch("smollm3", "SmolLM3Config", "SmolLM3", "full", False,
-         "NoPE layers have no rotary (the probe refuses them; rotary layers are fused)",
-         dict(no_rope_layers=[1, 0])),
-    Arch("starcoder2", "Starcoder2Config", "StarCoder2", "full", False,
-         f"{_NOT_LLAMA_SHAPED} (LayerNorm, GELU MLP)", dict(sliding_window=None)),
-    Arch("qwen3_moe", "Qwen3MoeConfig", "Qwen3-30B-A3B", "full", False, "mixture-of-experts MLP",
-         dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
-    Arch("mixtral", "MixtralConfig", "Mixtral 8x7B", "full", False, "mixture-of-experts MLP",
-         dict(num_local_experts=4, num_experts_per_tok=2)),
-    Arch("olmoe", "OlmoeConfig", "OLMoE 1B-7B", "full", False, "mixture-of-experts MLP",
-         dict(num_experts=8, num_experts_per_tok=2)),
-    Arch("qwen2_moe", "Qwen2MoeConfig", "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B", "full", False,
-         "mixture-of-experts MLP with a shared expert",
-         dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+    Arch(
+        "granite",
+        "GraniteConfig",
+        "Granite 3.x",
+        "full",
+        False,
+        "residual and attention multipliers (the probe refuses the layer)",
+        dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
+    ),
+    Arch(
+        "helium",
+        "HeliumConfig",
+        "Helium 1",
+        "full",
+        False,
+        "interleaved rotary (the probe refuses the layer)",
+        dict(head_dim=16),
+    ),
+    Arch(
+        "smollm3",
+        "SmolLM3Config",
+        "SmolLM3",
+        "full",
+        False,
+        "NoPE layers have no rotary (the probe refuses them; rotary layers are fused)",
+        dict(no_rope_layers=[1, 0]),
+    ),
+    Arch(
+        "starcoder2",
+        "Starcoder2Config",
+        "StarCoder2",
+        "full",
+        False,
+        f"{_NOT_LLAMA_SHAPED} (LayerNorm, GELU MLP)",
+        dict(sliding_window=None),
+    ),
+    Arch(
+        "qwen3_moe",
+        "Qwen3MoeConfig",
+        "Qwen3-30B-A3B",
+        "full",
+        False,
+        "mixture-of-experts MLP",
+        dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    ),
+    Arch(
+        "mixtral",
+        "MixtralConfig",
+        "Mixtral 8x7B",
+        "full",
+        False,
+        "mixture-of-experts MLP",
+        dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
+    Arch(
+        "olmoe",
+        "OlmoeConfig",
+        "OLMoE 1B-7B",
+        "full",
+        False,
+        "mixture-of-experts MLP",
+        dict(num_experts=8, num_experts_per_tok=2),
+    ),
+    Arch(
+        "qwen2_moe",
+        "Qwen2MoeConfig",
+        "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B",
+        "full",
+        False,
+        "mixture-of-experts MLP with a shared expert",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
 ]
 MOE_TYPES = {"qwen3_moe", "mixtral", "olmoe", "qwen2_moe"}
 
@@ -99,8 +192,16 @@ def _tiny_config(arch: Arch):
     """The type's own config class with the tiny sizes (a multimodal one gets them in its text config)."""
     import transformers
 
-    common = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, max_position_embeddings=2048, tie_word_embeddings=False, num_hidden_layers=2)
+    common = dict(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        num_hidden_layers=2,
+    )
     if "vision_config" in arch.config:
         text = dict(common, head_dim=16, **_HYBRID)
         return getattr(transformers, arch.config_class)(text_config=text, **arch.config)
@@ -124,9 +225,9 @@ def prompts():
 @pytest.mark.parametrize("arch", MATRIX, ids=[a.model_type for a in MATRIX])
 def test_engine_fast_path_matches_generate_and_plain_forward(arch, tiny_tokenizer, tmp_path, prompts):
     import torch
+    from engine_helpers import load_pair, reference_greedy, reference_logprobs
 
     from cbrun.engine import Engine, EngineConfig, SamplingParams
-    from engine_helpers import load_pair, reference_greedy, reference_logprobs
 
     directory = save_tiny_model(_tiny_config(arch), tiny_tokenizer, tmp_path)
     engine_model, reference, tokenizer = load_pair(str(directory))
@@ -138,8 +239,10 @@ def test_engine_fast_path_matches_generate_and_plain_forward(arch, tiny_tokenize
         core = engine.core
         assert core.backend.name == "cpu", "the CPU fast path (compiled kernels) did not load"
         fused = len(core.backend.fused_layers)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0), request_id=f"p{i}")
-               for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS))]
+        ids = [
+            engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0), request_id=f"p{i}")
+            for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS))
+        ]
         results = {r.request_id: r for r in (engine.get_result(timeout=300) for _ in ids)}
         stats = engine.stats()
 

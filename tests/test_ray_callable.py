@@ -48,9 +48,28 @@ def cli_rows(tiny_llama_dir, tmp_path_factory):
     """What `cbrun generate` writes for ROWS (Parquet, so logprobs are float32 as in the callable's table)."""
     folder = tmp_path_factory.mktemp("cli")
     out = folder / "out.parquet"
-    assert main(["generate", str(write_jsonl(folder / "in.jsonl", ROWS)), str(out), "-m", str(tiny_llama_dir),
-                 "--max-tokens", "6", "--temperature", "0", "--num-blocks", "128", "--page-size", "16",
-                 "--logprobs", "-q"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(write_jsonl(folder / "in.jsonl", ROWS)),
+                str(out),
+                "-m",
+                str(tiny_llama_dir),
+                "--max-tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--num-blocks",
+                "128",
+                "--page-size",
+                "16",
+                "--logprobs",
+                "-q",
+            ]
+        )
+        == 0
+    )
     return {r["id"]: r for r in pq.read_table(out).to_pylist()}
 
 
@@ -70,20 +89,25 @@ def test_a_pyarrow_batch_gives_the_rows_and_columns_of_cbrun_generate(generator,
 @pytest.mark.parametrize("batch_format", ["pandas", "numpy"])
 def test_pandas_and_numpy_batches_give_the_same_rows(generator, batch_format):
     table = table_of(ROWS)
-    batch = table.to_pandas() if batch_format == "pandas" else {
-        name: np.array(table.column(name).to_pylist(), dtype=object) for name in table.column_names}
+    batch = (
+        table.to_pandas()
+        if batch_format == "pandas"
+        else {name: np.array(table.column(name).to_pylist(), dtype=object) for name in table.column_names}
+    )
     expected = {r["id"]: r["completion_token_ids"] for r in generator(table).to_pylist()}
     assert {r["id"]: r["completion_token_ids"] for r in generator(batch).to_pylist()} == expected
 
 
 def test_bad_rows_become_error_rows_and_never_raise(generator):
-    batch = table_of([
-        {"id": "ok", "prompt": "the quick brown fox", "max_tokens": None},
-        {"id": "empty", "prompt": "", "max_tokens": None},
-        {"id": None, "prompt": "no id here", "max_tokens": None},
-        {"id": "too-long", "prompt": "fox", "max_tokens": 10_000},
-        {"id": "ok", "prompt": "a duplicate id", "max_tokens": None},
-    ])
+    batch = table_of(
+        [
+            {"id": "ok", "prompt": "the quick brown fox", "max_tokens": None},
+            {"id": "empty", "prompt": "", "max_tokens": None},
+            {"id": None, "prompt": "no id here", "max_tokens": None},
+            {"id": "too-long", "prompt": "fox", "max_tokens": 10_000},
+            {"id": "ok", "prompt": "a duplicate id", "max_tokens": None},
+        ]
+    )
     rows = generator(batch).to_pylist()
     errors = sorted((r["id"], r["error"]) for r in rows if r["error"])
     assert [r["id"] for r in rows if not r["error"]] == ["ok"]
@@ -94,13 +118,19 @@ def test_bad_rows_become_error_rows_and_never_raise(generator):
 
 
 def test_rows_sent_by_cbrun_generate_ray_keep_their_row_numbers_in_error_messages(generator):
-    raws = [RawRow(40, {"id": "a", "prompt": "fox"}), RawRow(41, None, "not valid JSON: oops", 43),
-            RawRow(42, {"prompt": ""})]
+    raws = [
+        RawRow(40, {"id": "a", "prompt": "fox"}),
+        RawRow(41, None, "not valid JSON: oops", 43),
+        RawRow(42, {"prompt": ""}),
+    ]
     (block,) = raw_blocks(raws, block_rows=10)
     assert block.column_names == [ROW, RECORD, ERROR, LINE]
     back = raw_rows(block)
     assert [(r.index, r.record, r.error, r.line) for r in back] == [
-        (40, {"id": "a", "prompt": "fox"}, None, None), (41, None, "not valid JSON: oops", 43), (42, {"prompt": ""}, None, None)]
+        (40, {"id": "a", "prompt": "fox"}, None, None),
+        (41, None, "not valid JSON: oops", 43),
+        (42, {"prompt": ""}, None, None),
+    ]
     rows = {r["id"]: r for r in generator(block).to_pylist()}
     assert rows["41"]["error"] == "row 41 (line 43): not valid JSON: oops"
     assert rows["42"]["error"] == "row 42: prompt: empty prompt"  # no id: the row number, as without Ray
@@ -108,9 +138,13 @@ def test_rows_sent_by_cbrun_generate_ray_keep_their_row_numbers_in_error_message
 
 
 def test_kept_columns_of_mixed_types_become_json_text(tiny_llama_dir):
-    generator = CbrunGenerator(str(tiny_llama_dir), sampling=SAMPLING, engine=ENGINE,
-                               keep_columns=("meta",))
-    table = generator({"id": np.array(["a", "b"], dtype=object), "prompt": np.array(["fox", "dog"], dtype=object),
-                       "meta": np.array([{"k": 1}, "text"], dtype=object)})
+    generator = CbrunGenerator(str(tiny_llama_dir), sampling=SAMPLING, engine=ENGINE, keep_columns=("meta",))
+    table = generator(
+        {
+            "id": np.array(["a", "b"], dtype=object),
+            "prompt": np.array(["fox", "dog"], dtype=object),
+            "meta": np.array([{"k": 1}, "text"], dtype=object),
+        }
+    )
     assert table.schema.field("meta").type == pa.string()
     assert sorted(r["meta"] for r in table.to_pylist()) == sorted([json.dumps({"k": 1}), "text"])

@@ -25,18 +25,45 @@ from cbrun.scale.ray_data import CbrunGenerator  # noqa: E402
 from cbrun.scale.ray_job import RayProgress, run_ray_job, start_ray  # noqa: E402
 
 NUM_ROWS = 300
-WORDS = "the quick brown fox jumps over the lazy dog while paged attention keeps keys".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "paged",
+    "attention",
+    "keeps",
+    "keys",
+]
 
 
 def prompts() -> list[dict]:
-    rows = [{"id": f"r{i}", "prompt": " ".join(WORDS[i % 7: i % 7 + 2 + i % 6])} for i in range(NUM_ROWS)]
+    rows = [{"id": f"r{i}", "prompt": " ".join(WORDS[i % 7 : i % 7 + 2 + i % 6])} for i in range(NUM_ROWS)]
     rows[7] = {"id": "empty", "prompt": ""}  # an error row, not a failed task
     return rows
 
 
 def engine_args(model_dir) -> list[str]:
-    return ["-m", str(model_dir), "--max-tokens", "8", "--temperature", "0", "--num-blocks", "256",
-            "--page-size", "16", "--logprobs", "-q"]
+    return [
+        "-m",
+        str(model_dir),
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--num-blocks",
+        "256",
+        "--page-size",
+        "16",
+        "--logprobs",
+        "-q",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +97,9 @@ def assert_same_rows(rows: list[dict], expected: dict) -> None:
 def test_two_replicas_give_the_rows_of_one_process(local_cluster, tiny_llama_dir, single_process, tmp_path):
     source, expected = single_process
     out = tmp_path / "ray.parquet"
-    code = main(["generate", str(source), str(out), *engine_args(tiny_llama_dir), "--ray", "--replicas", "2",
-                 "--window", "64"])
+    code = main(
+        ["generate", str(source), str(out), *engine_args(tiny_llama_dir), "--ray", "--replicas", "2", "--window", "64"]
+    )
     assert code == 1  # the empty prompt's error row, as in one process
     parts = sorted(out.iterdir())
     assert len(parts) >= 2 and all(p.name.startswith("part-") for p in parts)  # written block by block
@@ -94,17 +122,32 @@ class CrashOnce(CbrunGenerator):
         os._exit(1)  # as a killed node would: no exception, no cleanup
 
 
-def test_a_replica_killed_mid_batch_is_retried_and_no_row_is_lost_or_doubled(local_cluster, tiny_llama_dir,
-                                                                              single_process, tmp_path):
+def test_a_replica_killed_mid_batch_is_retried_and_no_row_is_lost_or_doubled(
+    local_cluster, tiny_llama_dir, single_process, tmp_path
+):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import test modules
     _, expected = single_process
     marker = tmp_path / "crashed"
     rows = [RawRow(i, record) for i, record in enumerate(prompts())]
     written = []
-    generator = dict(model=str(tiny_llama_dir), sampling=dict(max_tokens=8, temperature=0.0), logprobs=True,
-                     engine=dict(num_blocks=256, page_size=16), crash_marker=str(marker))
-    run_ray_job(rows, written.append, RayProgress(), generator=generator, replicas=2, threads=1,
-                cpus_per_replica=0.5, window=64, udf=CrashOnce)
+    generator = dict(
+        model=str(tiny_llama_dir),
+        sampling=dict(max_tokens=8, temperature=0.0),
+        logprobs=True,
+        engine=dict(num_blocks=256, page_size=16),
+        crash_marker=str(marker),
+    )
+    run_ray_job(
+        rows,
+        written.append,
+        RayProgress(),
+        generator=generator,
+        replicas=2,
+        threads=1,
+        cpus_per_replica=0.5,
+        window=64,
+        udf=CrashOnce,
+    )
     assert marker.exists()  # one actor did die
     assert_same_rows([r for table in written for r in table.to_pylist()], expected)
 

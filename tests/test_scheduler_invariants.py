@@ -12,14 +12,20 @@ from cbrun.engine.scheduler import Scheduler
 
 
 def _make(config: EngineConfig, num_blocks: int, sliding_window=None, has_full=True):
-    cache = KVCacheManager(num_blocks, config.page_size, sliding_window=sliding_window,
-                           has_full_layers=has_full, allow_block_sharing=config.allow_block_sharing)
+    cache = KVCacheManager(
+        num_blocks,
+        config.page_size,
+        sliding_window=sliding_window,
+        has_full_layers=has_full,
+        allow_block_sharing=config.allow_block_sharing,
+    )
     preemptor = SoftResetPreemptor(cache)
     return cache, preemptor, Scheduler(config, cache, preemptor)
 
 
-def _simulate(scheduler: Scheduler, cache: KVCacheManager, config: EngineConfig, rng: random.Random,
-              steps: int, vocab: int = 7) -> dict:
+def _simulate(
+    scheduler: Scheduler, cache: KVCacheManager, config: EngineConfig, rng: random.Random, steps: int, vocab: int = 7
+) -> dict:
     """Drive the scheduler like the engine does, checking invariants after every step."""
     arrivals = 0
     live: list[Request] = []
@@ -27,8 +33,9 @@ def _simulate(scheduler: Scheduler, cache: KVCacheManager, config: EngineConfig,
     for _ in range(steps):
         for _ in range(rng.randint(0, 3)):
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 150))]
-            request = Request(f"r{arrivals}", 0, prompt, SamplingParams(max_tokens=rng.randint(1, 40)),
-                              seed=0, arrival_order=arrivals)
+            request = Request(
+                f"r{arrivals}", 0, prompt, SamplingParams(max_tokens=rng.randint(1, 40)), seed=0, arrival_order=arrivals
+            )
             arrivals += 1
             scheduler.add(request)
             live.append(request)
@@ -69,8 +76,14 @@ def _simulate(scheduler: Scheduler, cache: KVCacheManager, config: EngineConfig,
 @pytest.mark.parametrize("sharing", [True, False])
 def test_randomized_workload_keeps_allocator_and_budget_invariants(ordering, sharing):
     rng = random.Random(f"{ordering}-{sharing}")
-    config = EngineConfig(page_size=16, max_batch_tokens=64, max_requests_per_batch=8,
-                          scheduler=ordering, allow_block_sharing=sharing, num_blocks=40)
+    config = EngineConfig(
+        page_size=16,
+        max_batch_tokens=64,
+        max_requests_per_batch=8,
+        scheduler=ordering,
+        allow_block_sharing=sharing,
+        num_blocks=40,
+    )
     cache, _, scheduler = _make(config, 40)
     seen = _simulate(scheduler, cache, config, rng, steps=1500)
     assert seen["finished"] > 50
@@ -88,9 +101,10 @@ def test_sliding_window_allocator_keeps_invariants_and_bounded_tables():
 
 
 def test_prefill_first_finishes_prefills_before_decodes():
-    config = EngineConfig(page_size=16, max_batch_tokens=40, max_requests_per_batch=8,
-                          scheduler="prefill-first", num_blocks=64)
-    cache, _, scheduler = _make(config, 64)
+    config = EngineConfig(
+        page_size=16, max_batch_tokens=40, max_requests_per_batch=8, scheduler="prefill-first", num_blocks=64
+    )
+    _cache, _, scheduler = _make(config, 64)
     decoding = Request("d", 0, [1, 2, 3], SamplingParams(), 0, 0)
     scheduler.add(decoding)
     batch = scheduler.schedule()
@@ -99,12 +113,12 @@ def test_prefill_first_finishes_prefills_before_decodes():
     long = Request("p", 0, list(range(100)), SamplingParams(), 0, 1)
     scheduler.add(long)
     first = scheduler.schedule()
-    long.num_computed_tokens += dict((r.request_id, n) for r, n in first.items)["p"]
+    long.num_computed_tokens += {r.request_id: n for r, n in first.items}["p"]
     decoding.num_computed_tokens += 1
     decoding.all_token_ids.append(5)
     second = scheduler.schedule()
     order = [r.request_id for r, _ in sorted(second.items, key=lambda i: -i[1])]
-    counts = dict((r.request_id, n) for r, n in second.items)
+    counts = {r.request_id: n for r, n in second.items}
     # the in-progress prefill is served first and takes the budget it needs
     assert counts["p"] == min(40, 100 - long.num_computed_tokens)
     assert order[0] == "p"
@@ -113,7 +127,7 @@ def test_prefill_first_finishes_prefills_before_decodes():
 
 def test_fifo_serves_decodes_before_prefill_chunks():
     config = EngineConfig(page_size=16, max_batch_tokens=8, max_requests_per_batch=8, num_blocks=64)
-    cache, _, scheduler = _make(config, 64)
+    _cache, _, scheduler = _make(config, 64)
     running = Request("d", 0, [1], SamplingParams(), 0, 0)
     scheduler.add(running)
     scheduler.schedule()

@@ -12,16 +12,25 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from engine_helpers import reference_logprobs
 from test_cli_generate import REPO, cli_env, read_jsonl, write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.data.writers import journal_path
 from cbrun.models import load_model
-from engine_helpers import reference_logprobs
 
 TOL = 1e-4
-COLUMNS = ["id", "sample", "completion_token_ids", "logprobs", "sum_logprob", "num_completion_tokens", "is_greedy",
-           "num_cached_tokens", "error"]
+COLUMNS = [
+    "id",
+    "sample",
+    "completion_token_ids",
+    "logprobs",
+    "sum_logprob",
+    "num_completion_tokens",
+    "is_greedy",
+    "num_cached_tokens",
+    "error",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +45,36 @@ def score(model_dir, source: Path, out: Path, *extra) -> int:
 
 def test_generate_output_is_valid_input_and_greedy_completions_score_as_greedy(tiny_llama_dir, tmp_path, reference):
     model, _ = reference
-    prompts = [{"id": f"p{i}", "prompt": text} for i, text in enumerate(
-        ["the quick brown fox", "paged attention keeps keys", "What is the capital of France?"])]
+    prompts = [
+        {"id": f"p{i}", "prompt": text}
+        for i, text in enumerate(
+            ["the quick brown fox", "paged attention keeps keys", "What is the capital of France?"]
+        )
+    ]
     prompts.append({"id": "chat", "messages": [{"role": "user", "content": "hello world"}]})
     source = write_jsonl(tmp_path / "in.jsonl", prompts)
     generated = tmp_path / "gen.jsonl"
-    assert main(["generate", str(source), str(generated), "-m", str(tiny_llama_dir), "-q", "--temperature", "0",
-                 "--max-tokens", "12", "--n", "2", "--prompt-token-ids", "--logprobs"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(source),
+                str(generated),
+                "-m",
+                str(tiny_llama_dir),
+                "-q",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "12",
+                "--n",
+                "2",
+                "--prompt-token-ids",
+                "--logprobs",
+            ]
+        )
+        == 0
+    )
     scored = tmp_path / "scored.jsonl"
     assert score(tiny_llama_dir, generated, scored) == 0
     gen_rows = {(r["id"], r["sample"]): r for r in read_jsonl(generated)}
@@ -56,7 +88,8 @@ def test_generate_output_is_valid_input_and_greedy_completions_score_as_greedy(t
         assert row["is_greedy"] is True
         assert row["logprobs"] == pytest.approx(expected["logprobs"], abs=TOL)
         assert row["logprobs"] == pytest.approx(
-            reference_logprobs(model, expected["prompt_token_ids"], expected["completion_token_ids"]), abs=TOL)
+            reference_logprobs(model, expected["prompt_token_ids"], expected["completion_token_ids"]), abs=TOL
+        )
         assert row["sum_logprob"] == pytest.approx(sum(row["logprobs"]), abs=1e-6)
     # the two samples of each prompt share its cached prompt pages (page size 16)
     for prompt_id in ("p0", "p1", "p2", "chat"):
@@ -67,8 +100,10 @@ def test_generate_output_is_valid_input_and_greedy_completions_score_as_greedy(t
 
 def test_text_completions_are_tokenized_alone_after_the_prompt(tiny_llama_dir, tmp_path, reference):
     model, tokenizer = reference
-    rows = [{"id": "t", "prompt": "the quick brown fox", "completions": [" jumps over", " is lazy"]},
-            {"id": "c", "messages": [{"role": "user", "content": "hi"}], "completion": "hello world"}]
+    rows = [
+        {"id": "t", "prompt": "the quick brown fox", "completions": [" jumps over", " is lazy"]},
+        {"id": "c", "messages": [{"role": "user", "content": "hi"}], "completion": "hello world"},
+    ]
     out = tmp_path / "out.jsonl"
     assert score(tiny_llama_dir, write_jsonl(tmp_path / "in.jsonl", rows), out) == 0
     got = {(r["id"], r["sample"]): r for r in read_jsonl(out)}
@@ -76,8 +111,11 @@ def test_text_completions_are_tokenized_alone_after_the_prompt(tiny_llama_dir, t
     messages = [{"role": "user", "content": "hi"}]
     chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     chat_prompt = tokenizer(chat, add_special_tokens=False)["input_ids"]
-    for key, prompt, text in [(("t", 0), text_prompt, " jumps over"), (("t", 1), text_prompt, " is lazy"),
-                              (("c", 0), chat_prompt, "hello world")]:
+    for key, prompt, text in [
+        (("t", 0), text_prompt, " jumps over"),
+        (("t", 1), text_prompt, " is lazy"),
+        (("c", 0), chat_prompt, "hello world"),
+    ]:
         completion = tokenizer(text, add_special_tokens=False)["input_ids"]  # no BOS in the completion
         assert got[key]["completion_token_ids"] == completion
         assert got[key]["logprobs"] == pytest.approx(reference_logprobs(model, prompt, completion), abs=TOL)
@@ -129,8 +167,8 @@ def test_parquet_output_has_the_optional_columns(tiny_llama_dir, tmp_path, refer
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + completion])).logits[0].float()  # [L, V]
     expected = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(prompt[1:] + completion)[:, None])[:, 0]
-    assert row["prompt_logprobs"][1:] == pytest.approx(expected[:len(prompt) - 1].tolist(), abs=TOL)
-    assert row["logprobs"] == pytest.approx(expected[len(prompt) - 1:].tolist(), abs=TOL)
+    assert row["prompt_logprobs"][1:] == pytest.approx(expected[: len(prompt) - 1].tolist(), abs=TOL)
+    assert row["logprobs"] == pytest.approx(expected[len(prompt) - 1 :].tolist(), abs=TOL)
     assert [len(top) for top in row["top_logprobs"]] == [2, 2, 2]
 
 
@@ -150,9 +188,14 @@ NUM_ROWS = 80
 
 def resume_rows() -> list[dict]:
     rng = random.Random(0)
-    return [{"id": f"r{i}", "input_ids": [1] + [rng.randrange(3, 400) for _ in range(20 + i % 13)],
-             "completions_token_ids": [[rng.randrange(3, 400) for _ in range(150 + 7 * j)] for j in range(3)]}
-            for i in range(NUM_ROWS)]
+    return [
+        {
+            "id": f"r{i}",
+            "input_ids": [1] + [rng.randrange(3, 400) for _ in range(20 + i % 13)],
+            "completions_token_ids": [[rng.randrange(3, 400) for _ in range(150 + 7 * j)] for j in range(3)],
+        }
+        for i in range(NUM_ROWS)
+    ]
 
 
 def resume_args(model_dir, *extra) -> list[str]:
@@ -168,9 +211,13 @@ def test_sigkill_then_resume_scores_every_completion_once(tiny_llama_dir, tmp_pa
 
     out = tmp_path / "out.parquet"
     on_disk = journal_path(out)
-    proc = subprocess.Popen([sys.executable, "-m", "cbrun", "score", str(source), str(out),
-                             *resume_args(tiny_llama_dir, "--window", "2")],
-                            cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cbrun", "score", str(source), str(out), *resume_args(tiny_llama_dir, "--window", "2")],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 240
     while _lines(on_disk) < 3:
         if proc.poll() is not None:

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from engine_helpers import load_pair, random_prompts, reference_logprobs
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.config import SamplingParams as Params
@@ -21,7 +22,6 @@ from cbrun.engine.runner import SCORE_CHUNK
 from cbrun.engine.sampler import sample
 from cbrun.engine.scoring import score_logits
 from cbrun.models import load_model
-from engine_helpers import load_pair, random_prompts, reference_logprobs
 
 VOCAB = 512
 TOL = 1e-4
@@ -49,8 +49,9 @@ def llama(tiny_llama_dir):
 def _workload(seed: int):
     """Prompts of 1 to 90 tokens, each with completions of 1 to 120 tokens."""
     prompts = random_prompts(VOCAB, [1, 17, 40, 90], seed)
-    completions = [random_prompts(VOCAB, lengths, seed + i + 1)
-                   for i, lengths in enumerate([[5], [1, 33], [120, 16, 7], [64]])]
+    completions = [
+        random_prompts(VOCAB, lengths, seed + i + 1) for i, lengths in enumerate([[5], [1, 33], [120, 16, 7], [64]])
+    ]
     return prompts, completions
 
 
@@ -76,7 +77,7 @@ def test_top_logprobs_are_the_reference_top_k(llama):
     with Engine(engine_model, tokenizer, EngineConfig(num_blocks=64)) as engine:
         out = engine.score_batch([prompt], [[completion]], top_logprobs=3)[0]
     with torch.inference_mode():
-        logits = ref_model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
+        logits = ref_model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
     values, indices = torch.topk(torch.log_softmax(logits, dim=-1), 3, dim=-1)  # [C, 3]
     assert len(out.top_logprobs) == len(completion)
     for position, top in enumerate(out.top_logprobs):
@@ -94,7 +95,7 @@ def test_is_greedy_is_true_exactly_for_greedy_completions(llama):
         groups = [[g.token_ids, s.token_ids, a] for g, s, a in zip(greedy, sampled, altered)]
         outs = engine.score_batch(prompts, groups)
     for index in range(len(prompts)):
-        from_greedy, from_sampled, from_altered = outs[3 * index: 3 * index + 3]
+        from_greedy, from_sampled, from_altered = outs[3 * index : 3 * index + 3]
         assert from_greedy.is_greedy is True
         assert from_altered.is_greedy is False
         assert from_sampled.is_greedy is False  # 20 tokens at temperature 1 over a random model
@@ -220,11 +221,14 @@ def test_scoring_what_generate_sampled_gives_bitwise_its_logprobs(tiny_llama_dir
 def test_logprobs_equal_a_plain_forward_on_smollm2(smollm2):
     ref_model, tokenizer = smollm2
     engine_model = copy.deepcopy(ref_model)  # the engine switches its attention; keep the fixture's
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
-                                         tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}], tokenize=False, add_generation_prompt=True
+    )
     prompt = tokenizer(chat, add_special_tokens=False)["input_ids"]
-    completions = [tokenizer(text, add_special_tokens=False)["input_ids"]
-                   for text in ("Red, green and blue.", "Blue, yellow and a very bright shade of orange.")]
+    completions = [
+        tokenizer(text, add_special_tokens=False)["input_ids"]
+        for text in ("Red, green and blue.", "Blue, yellow and a very bright shade of orange.")
+    ]
     with Engine(engine_model, tokenizer, EngineConfig(num_blocks=256, max_batch_tokens=32)) as engine:
         outs = engine.score_batch([prompt], [completions])
     for out, completion in zip(outs, completions):

@@ -62,22 +62,49 @@ def test_select_rows_partitions_rows_and_keeps_global_row_numbers(count):
     for index in range(count):
         kept = list(select_rows(rows, Shard(index, count, "test")))
         seen += [r.index for r in kept]
-        assert all(shard_of(str(r.record["id"]) if r.record and "id" in r.record else str(r.index), count) == index
-                   for r in kept)
+        assert all(
+            shard_of(str(r.record["id"]) if r.record and "id" in r.record else str(r.index), count) == index
+            for r in kept
+        )
     assert sorted(seen) == list(range(NUM_ROWS + 1))
 
 
-@pytest.mark.parametrize(("env", "index", "count", "source"), [
-    ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "8"}, 3, 8, "SLURM_ARRAY_TASK_ID=3; SLURM_ARRAY_TASK_COUNT=8"),
-    ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "8"}, 4, 8,
-     "SLURM_ARRAY_TASK_ID=5 - SLURM_ARRAY_TASK_MIN=1"),
-    ({"SLURM_ARRAY_TASK_ID": "14", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2",
-      "SLURM_ARRAY_TASK_COUNT": "8"}, 7, 8, "SLURM_ARRAY_TASK_STEP=2"),
-    ({"JOB_COMPLETION_INDEX": "2", "CBRUN_NUM_SHARDS": "4"}, 2, 4, "JOB_COMPLETION_INDEX=2; CBRUN_NUM_SHARDS=4"),
-    ({"RANK": "1", "WORLD_SIZE": "2"}, 1, 2, "RANK=1; WORLD_SIZE=2"),
-    ({"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "2", "RANK": "5", "WORLD_SIZE": "9"}, 0, 2,
-     "SLURM_ARRAY_TASK_ID=0"),  # Slurm wins over RANK/WORLD_SIZE
-])
+@pytest.mark.parametrize(
+    ("env", "index", "count", "source"),
+    [
+        (
+            {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "8"},
+            3,
+            8,
+            "SLURM_ARRAY_TASK_ID=3; SLURM_ARRAY_TASK_COUNT=8",
+        ),
+        (
+            {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "8"},
+            4,
+            8,
+            "SLURM_ARRAY_TASK_ID=5 - SLURM_ARRAY_TASK_MIN=1",
+        ),
+        (
+            {
+                "SLURM_ARRAY_TASK_ID": "14",
+                "SLURM_ARRAY_TASK_MIN": "0",
+                "SLURM_ARRAY_TASK_STEP": "2",
+                "SLURM_ARRAY_TASK_COUNT": "8",
+            },
+            7,
+            8,
+            "SLURM_ARRAY_TASK_STEP=2",
+        ),
+        ({"JOB_COMPLETION_INDEX": "2", "CBRUN_NUM_SHARDS": "4"}, 2, 4, "JOB_COMPLETION_INDEX=2; CBRUN_NUM_SHARDS=4"),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, 1, 2, "RANK=1; WORLD_SIZE=2"),
+        (
+            {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "2", "RANK": "5", "WORLD_SIZE": "9"},
+            0,
+            2,
+            "SLURM_ARRAY_TASK_ID=0",
+        ),  # Slurm wins over RANK/WORLD_SIZE
+    ],
+)
 def test_shard_numbers_come_from_the_schedulers_environment(env, index, count, source):
     shard = resolve_shard(None, None, env)
     assert (shard.index, shard.count) == (index, count)
@@ -94,17 +121,24 @@ def test_flags_override_the_environment_and_one_shard_is_no_sharding():
     assert resolve_shard(None, None, {"RANK": "0", "WORLD_SIZE": "1"}) is None
 
 
-@pytest.mark.parametrize(("num", "index", "env", "message"), [
-    (None, 2, NO_ENV, "--shard-index needs --num-shards"),
-    (4, None, NO_ENV, "--num-shards needs --shard-index"),
-    (4, 4, NO_ENV, "shard index 4 (--shard-index) is outside 0..3"),
-    (0, 0, NO_ENV, "at least 1"),
-    (None, None, {"JOB_COMPLETION_INDEX": "1"}, "set CBRUN_NUM_SHARDS or pass --num-shards"),
-    (None, None, {"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer, got 'x'"),
-    (None, None, {"SLURM_ARRAY_TASK_ID": "9", "SLURM_ARRAY_TASK_COUNT": "4"}, "outside 0..3"),
-    (None, None, {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_STEP": "2", "SLURM_ARRAY_TASK_COUNT": "4"},
-     "not on the array's step"),
-])
+@pytest.mark.parametrize(
+    ("num", "index", "env", "message"),
+    [
+        (None, 2, NO_ENV, "--shard-index needs --num-shards"),
+        (4, None, NO_ENV, "--num-shards needs --shard-index"),
+        (4, 4, NO_ENV, "shard index 4 (--shard-index) is outside 0..3"),
+        (0, 0, NO_ENV, "at least 1"),
+        (None, None, {"JOB_COMPLETION_INDEX": "1"}, "set CBRUN_NUM_SHARDS or pass --num-shards"),
+        (None, None, {"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer, got 'x'"),
+        (None, None, {"SLURM_ARRAY_TASK_ID": "9", "SLURM_ARRAY_TASK_COUNT": "4"}, "outside 0..3"),
+        (
+            None,
+            None,
+            {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_STEP": "2", "SLURM_ARRAY_TASK_COUNT": "4"},
+            "not on the array's step",
+        ),
+    ],
+)
 def test_bad_shard_numbers_are_one_line_errors(num, index, env, message):
     with pytest.raises(ShardError, match=re.escape(message)):
         resolve_shard(num, index, env)
@@ -113,14 +147,18 @@ def test_bad_shard_numbers_are_one_line_errors(num, index, env, message):
 def test_each_shard_gets_its_own_output(tmp_path):
     shard = Shard(3, 8, "test")
     assert shard_output(str(tmp_path / "out.parquet"), shard) == (
-        str(tmp_path / "out.parquet" / "part-00003-of-00008.parquet"), True)
+        str(tmp_path / "out.parquet" / "part-00003-of-00008.parquet"),
+        True,
+    )
     assert shard_output(str(tmp_path / "out-{shard:03d}-of-{num_shards}.jsonl"), shard) == (
-        str(tmp_path / "out-003-of-8.jsonl"), False)
+        str(tmp_path / "out-003-of-8.jsonl"),
+        False,
+    )
     assert shard_output("-", shard) == ("-", False)
     (tmp_path / "file.jsonl").write_text("")
     with pytest.raises(ShardError, match="is a file"):
         shard_output(str(tmp_path / "file.jsonl"), shard)
-    with pytest.raises(ShardError, match="only {shard} and {num_shards}"):
+    with pytest.raises(ShardError, match=r"only \{shard\} and \{num_shards\}"):
         shard_output(str(tmp_path / "out-{rank}.jsonl"), shard)
 
 
@@ -128,8 +166,19 @@ def test_each_shard_gets_its_own_output(tmp_path):
 
 
 def shard_args(model_dir) -> list[str]:
-    return ["-m", str(model_dir), "--max-tokens", "1", "--temperature", "0", "--num-blocks", "512",
-            "--page-size", "16", "-q"]
+    return [
+        "-m",
+        str(model_dir),
+        "--max-tokens",
+        "1",
+        "--temperature",
+        "0",
+        "--num-blocks",
+        "512",
+        "--page-size",
+        "16",
+        "-q",
+    ]
 
 
 @pytest.mark.parametrize("count", [1, 3, 7])
@@ -138,8 +187,21 @@ def test_shards_of_a_thousand_row_file_partition_it_exactly(tiny_llama_dir, tmp_
         monkeypatch.delenv(name, raising=False)
     source = thousand_rows_file(tmp_path / "in.jsonl")
     out = tmp_path / "out.parquet"
-    codes = [main(["generate", str(source), str(out), "--num-shards", str(count), "--shard-index", str(index),
-                   *shard_args(tiny_llama_dir)]) for index in range(count)]
+    codes = [
+        main(
+            [
+                "generate",
+                str(source),
+                str(out),
+                "--num-shards",
+                str(count),
+                "--shard-index",
+                str(index),
+                *shard_args(tiny_llama_dir),
+            ]
+        )
+        for index in range(count)
+    ]
     parts = sorted(out.iterdir()) if count > 1 else [out]
     if count > 1:
         assert [p.name for p in parts] == [f"part-{i:05d}-of-{count:05d}.parquet" for i in range(count)]
@@ -156,8 +218,7 @@ def test_shards_of_a_thousand_row_file_partition_it_exactly(tiny_llama_dir, tmp_
     assert len(whole) == len(rows)
 
 
-def test_scheduler_environment_picks_the_shard_and_the_summary_names_it(tiny_llama_dir, tmp_path, monkeypatch,
-                                                                         capsys):
+def test_scheduler_environment_picks_the_shard_and_the_summary_names_it(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     source = thousand_rows_file(tmp_path / "in.jsonl")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
     monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "1")
@@ -168,7 +229,8 @@ def test_scheduler_environment_picks_the_shard_and_the_summary_names_it(tiny_lla
     err = capsys.readouterr().err
     assert code in (0, 1), err
     assert "1 of 3 (from SLURM_ARRAY_TASK_ID=2 - SLURM_ARRAY_TASK_MIN=1; SLURM_ARRAY_TASK_COUNT=3)" in " ".join(
-        err.split())
+        err.split()
+    )
     rows = read_jsonl(tmp_path / "out-1.jsonl")
     assert rows and all(shard_of(r["id"], 3) == 1 for r in rows)
     assert "Traceback" not in err
@@ -176,8 +238,21 @@ def test_scheduler_environment_picks_the_shard_and_the_summary_names_it(tiny_lla
 
 def test_bad_shard_options_are_refused_before_any_work(tiny_llama_dir, tmp_path, capsys):
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi"}])
-    assert main(["generate", str(source), str(tmp_path / "o.jsonl"), "--num-shards", "3", "--shard-index", "3",
-                 *shard_args(tiny_llama_dir)]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                str(source),
+                str(tmp_path / "o.jsonl"),
+                "--num-shards",
+                "3",
+                "--shard-index",
+                "3",
+                *shard_args(tiny_llama_dir),
+            ]
+        )
+        == 2
+    )
     assert "outside 0..2" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
 
@@ -187,15 +262,36 @@ def test_a_killed_shard_resumes_alone_with_no_duplicates_or_gaps(tiny_llama_dir,
     source = write_jsonl(tmp_path / "in.jsonl", rows)
     mine = sorted(r["id"] for r in rows if shard_of(r["id"], 2) == 1)
     reference = tmp_path / "ref.jsonl"
-    assert main(["generate", str(source), str(reference), *args(tiny_llama_dir, "-q", "--num-shards", "2",
-                                                                 "--shard-index", "1")]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(source),
+                str(reference),
+                *args(tiny_llama_dir, "-q", "--num-shards", "2", "--shard-index", "1"),
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "out.jsonl.d"
     out.mkdir()
     out = out / "out-{shard}.jsonl"
     on_disk = tmp_path / "out.jsonl.d" / "out-1.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "cbrun", "generate", str(source), str(out),
-                             *args(tiny_llama_dir, "--window", "2", "--num-shards", "2", "--shard-index", "1")],
-                            cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cbrun",
+            "generate",
+            str(source),
+            str(out),
+            *args(tiny_llama_dir, "--window", "2", "--num-shards", "2", "--shard-index", "1"),
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 240
     while complete_lines(on_disk) < 3:
         assert proc.poll() is None, proc.stderr.read().decode()
@@ -204,8 +300,17 @@ def test_a_killed_shard_resumes_alone_with_no_duplicates_or_gaps(tiny_llama_dir,
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert 3 <= complete_lines(on_disk) < len(mine)
-    assert main(["generate", str(source), str(out), *args(tiny_llama_dir, "-q", "--resume", "--num-shards", "2",
-                                                          "--shard-index", "1")]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(source),
+                str(out),
+                *args(tiny_llama_dir, "-q", "--resume", "--num-shards", "2", "--shard-index", "1"),
+            ]
+        )
+        == 0
+    )
     resumed = read_jsonl(on_disk)
     assert sorted(r["id"] for r in resumed) == mine
     expected = {r["id"]: r["completion_token_ids"] for r in read_jsonl(reference / "part-00001-of-00002.jsonl")}

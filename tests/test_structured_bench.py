@@ -18,14 +18,20 @@ from cbrun.engine import StructuredSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "examples" / "bench" / "w_structured.jsonl"
-FIXED_CEILING = {"gflop_per_token": 0.001, "gemm_rows": 256, "reference_dtype": "bfloat16",
-                 "gemm_gflops": {"bfloat16": {"best": 100.0}, "float32": {"best": 50.0}}}
+FIXED_CEILING = {
+    "gflop_per_token": 0.001,
+    "gemm_rows": 256,
+    "reference_dtype": "bfloat16",
+    "gemm_gflops": {"bfloat16": {"best": 100.0}, "float32": {"best": 50.0}},
+}
 
 
 def _small_dataset(path: Path) -> Path:
     shipped = [json.loads(line) for line in SHIPPED.read_text().splitlines()[:4]]
-    extra = [{"id": "code", "prompt": "a code", "regex": "[A-Z]{2}[0-9]{2}", "max_tokens": 16},
-             {"id": "pick", "prompt": "pick one", "choice": ["red", "green"], "max_tokens": 8}]
+    extra = [
+        {"id": "code", "prompt": "a code", "regex": "[A-Z]{2}[0-9]{2}", "max_tokens": 16},
+        {"id": "pick", "prompt": "pick one", "choice": ["red", "green"], "max_tokens": 8},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in shipped + extra))
     return path
 
@@ -33,9 +39,24 @@ def _small_dataset(path: Path) -> Path:
 def test_structured_bench_checks_every_row_and_runs_the_free_baseline(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(bench_runner, "measure_ceiling", lambda model, dtype, device: FIXED_CEILING)
     out_json = tmp_path / "bench.json"
-    code = main(["bench", "--model", str(tiny_llama_dir), "--engine", "cbrun,cbrun-free", "--dataset-path",
-                 str(_small_dataset(tmp_path / "w.jsonl")), "--temperature", "0", "--num-blocks", "128",
-                 "--output-json", str(out_json), "--quiet"])
+    code = main(
+        [
+            "bench",
+            "--model",
+            str(tiny_llama_dir),
+            "--engine",
+            "cbrun,cbrun-free",
+            "--dataset-path",
+            str(_small_dataset(tmp_path / "w.jsonl")),
+            "--temperature",
+            "0",
+            "--num-blocks",
+            "128",
+            "--output-json",
+            str(out_json),
+            "--quiet",
+        ]
+    )
     assert code == 0
     entries = {e["engine"]: e for e in json.loads(out_json.read_text())["results"]}
     assert set(entries) == {"cbrun", "cbrun-free"}

@@ -9,16 +9,19 @@ import re
 import jsonschema
 import pyarrow.parquet as pq
 import pytest
+from test_cli_generate import engine_args, read_jsonl, write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.cli.common import EXIT_ROWS_FAILED, EXIT_USAGE
 from cbrun.data.constraints import response_format_fields, row_constraint
-from test_cli_generate import engine_args, read_jsonl, write_jsonl
 
 SCHEMA = {
     "type": "object",
-    "properties": {"label": {"enum": ["spam", "ham"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9},
-                   "note": {"type": "string", "maxLength": 12}},
+    "properties": {
+        "label": {"enum": ["spam", "ham"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+        "note": {"type": "string", "maxLength": 12},
+    },
     "required": ["label", "score", "note"],
     "additionalProperties": False,
 }
@@ -42,8 +45,14 @@ def _rows():
 
 def test_row_constraints_give_valid_rows_and_bad_ones_error_rows(tiny_llama_dir, tmp_path):
     out = tmp_path / "out.jsonl"
-    code = main(["generate", str(write_jsonl(tmp_path / "in.jsonl", _rows())), str(out),
-                 *engine_args(tiny_llama_dir, max_tokens=80)])
+    code = main(
+        [
+            "generate",
+            str(write_jsonl(tmp_path / "in.jsonl", _rows())),
+            str(out),
+            *engine_args(tiny_llama_dir, max_tokens=80),
+        ]
+    )
     assert code == EXIT_ROWS_FAILED  # the bad rows; every other row went on
     rows = {r["id"]: r for r in read_jsonl(out)}
     assert len(rows) == 10
@@ -66,11 +75,28 @@ def test_job_wide_schema_is_overridden_by_a_rows_own_and_parquet_has_the_column(
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
     rows = [{"id": f"r{i}", "prompt": f"row {i} text"} for i in range(6)] + [
-        {"id": "own", "prompt": "pick", "choice": ["alpha", "beta"]}]
+        {"id": "own", "prompt": "pick", "choice": ["alpha", "beta"]}
+    ]
     out = tmp_path / "out.parquet"
-    assert main(["generate", str(write_jsonl(tmp_path / "in.jsonl", rows)), str(out), "--json-schema",
-                 str(schema_file), "--seed", "3", "--n", "2",
-                 *engine_args(tiny_llama_dir, max_tokens=80), "--temperature", "0.8"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(write_jsonl(tmp_path / "in.jsonl", rows)),
+                str(out),
+                "--json-schema",
+                str(schema_file),
+                "--seed",
+                "3",
+                "--n",
+                "2",
+                *engine_args(tiny_llama_dir, max_tokens=80),
+                "--temperature",
+                "0.8",
+            ]
+        )
+        == 0
+    )
     table = pq.read_table(out).to_pylist()
     assert len(table) == 14
     for row in table:
@@ -105,20 +131,44 @@ def test_openai_batch_response_format_validates_with_the_openai_sdk(tiny_llama_d
     openai_types = pytest.importorskip("openai.types.chat")
 
     def line(cid, response_format, **body):
-        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                "body": {"model": "tiny", "messages": [{"role": "user", "content": cid}],
-                         "response_format": response_format, **body}}
+        return {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": cid}],
+                "response_format": response_format,
+                **body,
+            },
+        }
 
     requests = [
-        line("schema", {"type": "json_schema", "json_schema": {"name": "label", "schema": SCHEMA, "strict": True}},
-             n=2, temperature=0.7, seed=1, logprobs=True, top_logprobs=2),
+        line(
+            "schema",
+            {"type": "json_schema", "json_schema": {"name": "label", "schema": SCHEMA, "strict": True}},
+            n=2,
+            temperature=0.7,
+            seed=1,
+            logprobs=True,
+            top_logprobs=2,
+        ),
         line("object", {"type": "json_object"}, max_tokens=6),
         line("text", {"type": "text"}),
         line("bad", {"type": "json_schema", "json_schema": {"schema": SCHEMA}}),
     ]
     out = tmp_path / "out.jsonl"
-    assert main(["generate", str(write_jsonl(tmp_path / "in.jsonl", requests)), str(out),
-                 *engine_args(tiny_llama_dir, max_tokens=80)]) == EXIT_ROWS_FAILED
+    assert (
+        main(
+            [
+                "generate",
+                str(write_jsonl(tmp_path / "in.jsonl", requests)),
+                str(out),
+                *engine_args(tiny_llama_dir, max_tokens=80),
+            ]
+        )
+        == EXIT_ROWS_FAILED
+    )
     lines = {r["custom_id"]: r for r in read_jsonl(out)}
     for cid in ("schema", "object", "text"):
         body = lines[cid]["response"]["body"]
@@ -136,10 +186,13 @@ def test_openai_batch_response_format_validates_with_the_openai_sdk(tiny_llama_d
     assert bad["status_code"] == 400 and "response_format.json_schema" in bad["body"]["error"]["message"]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--json-schema", "missing.json"], "--json-schema missing.json: cannot read it"),
-    (["--regex", "a", "--choice", "b"], "give one of --json-schema, --regex, --choice, --grammar"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--json-schema", "missing.json"], "--json-schema missing.json: cannot read it"),
+        (["--regex", "a", "--choice", "b"], "give one of --json-schema, --regex, --choice, --grammar"),
+    ],
+)
 def test_bad_job_flags_are_one_line_errors(tiny_llama_dir, tmp_path, capsys, flags, message):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
     assert main(["generate", str(inp), str(tmp_path / "o.jsonl"), *flags, *engine_args(tiny_llama_dir)]) == EXIT_USAGE
@@ -154,5 +207,6 @@ def test_row_fields_and_response_format_parse_to_specs():
     assert row_constraint({"json_object": "yes"}).startswith("json_object: must be true or false")
     assert row_constraint({"json_schema": "{bad"}).startswith("json_schema: not valid JSON")
     assert response_format_fields({"type": "json_schema", "json_schema": {"name": "a"}}) == {
-        "json_schema": {"type": "object"}}
+        "json_schema": {"type": "object"}
+    }
     assert response_format_fields({"type": "xml"}).startswith("response_format.type")

@@ -13,12 +13,12 @@ import llguidance.hf
 import llguidance.torch
 import pytest
 import torch
+from engine_helpers import reference_logprobs
 
 from cbrun.engine import ConfigError, Engine, EngineConfig, SamplingParams, StructuredSpec
 from cbrun.engine.cpu.kernels import load_cpu_kernels
 from cbrun.engine.grammar import grammar_text
 from cbrun.models import load_model
-from engine_helpers import reference_logprobs
 
 SCHEMA = {
     "type": "object",
@@ -89,14 +89,22 @@ def _run(model, tokenizer, entries, config=None):
 def test_constrained_request_gives_the_same_bits_alone_and_in_a_crowd(tiny, masked_logprobs):
     model, tokenizer = tiny
     backend = "cpu"
-    target = ("Review: great film.", _params("json_schema", temperature=1.0, seed=11, top_logprobs=3,
-                                             masked_logprobs=masked_logprobs))
+    target = (
+        "Review: great film.",
+        _params("json_schema", temperature=1.0, seed=11, top_logprobs=3, masked_logprobs=masked_logprobs),
+    )
     alone = _run(model, tokenizer, [target], EngineConfig(num_blocks=128, backend=backend))[0]
-    crowd = [(PROMPTS[i % 5] * (1 + i % 3), _params(kind, temperature=0.9, seed=i))
-             for i, kind in enumerate(["regex", "choice", "json_object", "json_schema"] * 2)]
+    crowd = [
+        (PROMPTS[i % 5] * (1 + i % 3), _params(kind, temperature=0.9, seed=i))
+        for i, kind in enumerate(["regex", "choice", "json_object", "json_schema"] * 2)
+    ]
     crowd += [(PROMPTS[i], SamplingParams(max_tokens=40, temperature=1.0, seed=i)) for i in range(4)]
-    together = _run(model, tokenizer, crowd[:5] + [target] + crowd[5:],
-                    EngineConfig(num_blocks=128, backend=backend, max_batch_tokens=64))[5]
+    together = _run(
+        model,
+        tokenizer,
+        crowd[:5] + [target] + crowd[5:],
+        EngineConfig(num_blocks=128, backend=backend, max_batch_tokens=64),
+    )[5]
     assert together.token_ids == alone.token_ids
     assert together.logprobs == alone.logprobs  # exact: same bits
     assert together.top_logprobs == alone.top_logprobs
@@ -140,8 +148,11 @@ def test_logprobs_are_the_models_by_default_and_the_masked_ones_on_request(tiny_
     model, tokenizer = load_model(str(tiny_llama_dir), dtype="float32")
     reference_model, _ = load_model(str(tiny_llama_dir), dtype="float32")
     prompt = list(tokenizer.encode(PROMPTS[0]))
-    model_lp, masked_lp = _run(model, tokenizer, [(prompt, _params("regex", top_logprobs=2)),
-                                                  (prompt, _params("regex", top_logprobs=2, masked_logprobs=True))])
+    model_lp, masked_lp = _run(
+        model,
+        tokenizer,
+        [(prompt, _params("regex", top_logprobs=2)), (prompt, _params("regex", top_logprobs=2, masked_logprobs=True))],
+    )
     assert model_lp.token_ids == masked_lp.token_ids
     expected = reference_logprobs(reference_model, prompt, model_lp.token_ids)
     assert model_lp.logprobs == pytest.approx(expected, abs=1e-4)
@@ -164,13 +175,19 @@ def test_max_tokens_before_the_grammar_completes_is_length_and_incomplete(tiny):
 
 def test_stop_strings_and_n_samples_with_a_constraint(tiny):
     model, tokenizer = tiny
-    outs = _run(model, tokenizer, [(PROMPTS[1], _params("json_schema", temperature=1.0, seed=5, n=3)),
-                                   (PROMPTS[2], _params("json_schema", stop=('"confidence"',)))])
-    samples = [o for o in outs]  # get_result gives one sample per call; ids repeat
+    outs = _run(
+        model,
+        tokenizer,
+        [
+            (PROMPTS[1], _params("json_schema", temperature=1.0, seed=5, n=3)),
+            (PROMPTS[2], _params("json_schema", stop=('"confidence"',))),
+        ],
+    )
+    samples = list(outs)  # get_result gives one sample per call; ids repeat
     complete = [o for o in samples if o.finish_reason == "stop" and o.structured_complete]
     for out in complete:
         jsonschema.validate(json.loads(out.text), SCHEMA)
-    stopped = [o for o in samples if o.request_id == "r1"][0]
+    stopped = next(o for o in samples if o.request_id == "r1")
     assert stopped.finish_reason == "stop" and stopped.structured_complete is False
     assert '"confidence"' not in stopped.text
 
@@ -190,8 +207,13 @@ def test_bad_constraints_fail_only_their_own_request(tiny):
         engine.add_request(PROMPTS[1], _params("choice"), request_id="good")
         results = {r.request_id: r for r in (engine.get_result(timeout=600) for _ in range(len(bad) + 1))}
     assert results["good"].text in CHOICES
-    expected = {"b-regex": "unclosed character class", "b-keyword": "uniqueItems",
-                "b-grammar": "undefined_rule", "b-choice": "empty", "b-schema": "not valid JSON"}
+    expected = {
+        "b-regex": "unclosed character class",
+        "b-keyword": "uniqueItems",
+        "b-grammar": "undefined_rule",
+        "b-choice": "empty",
+        "b-schema": "not valid JSON",
+    }
     for rid, needle in expected.items():
         assert results[rid].finish_reason == "error"
         assert needle in results[rid].error, results[rid].error
@@ -200,11 +222,14 @@ def test_bad_constraints_fail_only_their_own_request(tiny):
 def test_each_distinct_constraint_compiles_once_per_engine(tiny):
     model, tokenizer = tiny
     with Engine(model, tokenizer, EngineConfig(num_blocks=128)) as engine:
-        engine.generate_batch([PROMPTS[i % 5] for i in range(12)],
-                              [_params("json_schema", max_tokens=8)] * 10 + [_params("choice")] * 2)
+        engine.generate_batch(
+            [PROMPTS[i % 5] for i in range(12)], [_params("json_schema", max_tokens=8)] * 10 + [_params("choice")] * 2
+        )
         # an equal schema written differently (key order, as text) is the same cache entry
-        engine.generate_batch([PROMPTS[0]], SamplingParams(max_tokens=4, structured={
-            "json_schema": json.dumps(dict(reversed(list(SCHEMA.items()))))}))
+        engine.generate_batch(
+            [PROMPTS[0]],
+            SamplingParams(max_tokens=4, structured={"json_schema": json.dumps(dict(reversed(list(SCHEMA.items()))))}),
+        )
         assert engine.core.grammars.compiles == 2
 
 
@@ -223,10 +248,16 @@ def test_real_model_labels_every_row_validly(smollm2):
     model, tokenizer = smollm2
     schema = json.loads((Path(__file__).resolve().parents[1] / "examples/bench/structured_schema.json").read_text())
     reviews = ["The kettle arrived broken and support never answered.", "Love these shoes, great value."]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Label this review as JSON: {r}"}],
-                                             tokenize=False, add_generation_prompt=True) for r in reviews]
-    params = [SamplingParams(max_tokens=96, temperature=t, seed=1, n=2, structured={"json_schema": schema})
-              for t in (0.0, 0.8)]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Label this review as JSON: {r}"}], tokenize=False, add_generation_prompt=True
+        )
+        for r in reviews
+    ]
+    params = [
+        SamplingParams(max_tokens=96, temperature=t, seed=1, n=2, structured={"json_schema": schema})
+        for t in (0.0, 0.8)
+    ]
     with Engine(model, tokenizer, EngineConfig(num_blocks=256)) as engine:
         outs = engine.generate_batch(prompts + prompts, params + params[::-1])
     completed = [o for o in outs if o.finish_reason == "stop"]

@@ -39,9 +39,15 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")  # set at process start
 IN_PROCESS = torch.cuda.is_available() or INTERPRETED
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the CPU engine does not need it)")
-kernel_test = pytest.mark.skipif(not (HAS_TRITON and IN_PROCESS), reason=(
-    "triton is not installed" if not HAS_TRITON else "no CUDA and TRITON_INTERPRET unset at start: "
-    "test_interpreter_subprocess runs this in a child process under the interpreter"))
+kernel_test = pytest.mark.skipif(
+    not (HAS_TRITON and IN_PROCESS),
+    reason=(
+        "triton is not installed"
+        if not HAS_TRITON
+        else "no CUDA and TRITON_INTERPRET unset at start: "
+        "test_interpreter_subprocess runs this in a child process under the interpreter"
+    ),
+)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -68,13 +74,30 @@ class Case:
     scale: float
 
     def args(self) -> tuple:
-        return (self.q, self.k_pool, self.v_pool, self.tables, self.row_seq, self.first_page, self.kv_len,
-                self.kv_lo, self.scale)
+        return (
+            self.q,
+            self.k_pool,
+            self.v_pool,
+            self.tables,
+            self.row_seq,
+            self.first_page,
+            self.kv_len,
+            self.kv_lo,
+            self.scale,
+        )
 
 
-def make_case(seqs: list[Seq], kv_heads: int = 2, group: int = 2, dim: int = 64, page: int = 16,
-              dtype: torch.dtype = torch.float32, flash_layout: bool = False, table_dtype: torch.dtype = torch.int32,
-              seed: int = 0) -> Case:
+def make_case(
+    seqs: list[Seq],
+    kv_heads: int = 2,
+    group: int = 2,
+    dim: int = 64,
+    page: int = 16,
+    dtype: torch.dtype = torch.float32,
+    flash_layout: bool = False,
+    table_dtype: torch.dtype = torch.int32,
+    seed: int = 0,
+) -> Case:
     """Random q and pools with shuffled, padded block tables; slots no row may read are NaN."""
     gen = torch.Generator().manual_seed(seed)
     kv_len = [p + 1 for s in seqs for p in range(s.start, s.start + s.rows)]
@@ -93,7 +116,7 @@ def make_case(seqs: list[Seq], kv_heads: int = 2, group: int = 2, dim: int = 64,
     views = [p.permute(2, 0, 1, 3) if flash_layout else p for p in pools]  # [H_kv, NB, page, D]
     used = 3
     for i, n in enumerate(num_pages):
-        tables[i, :n] = torch.tensor(order[used: used + n], dtype=table_dtype)
+        tables[i, :n] = torch.tensor(order[used : used + n], dtype=table_dtype)
         used += n
         for pos in range(lo_of[i], hi_of[i]):
             block, slot = int(tables[i, pos // page - first_page[i]]), pos % page
@@ -101,8 +124,17 @@ def make_case(seqs: list[Seq], kv_heads: int = 2, group: int = 2, dim: int = 64,
                 view[:, block, slot] = torch.randn(kv_heads, dim, generator=gen).to(dtype)
     q = torch.randn(len(kv_len), kv_heads * group, dim, generator=gen).to(dtype)
     as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=DEVICE)  # noqa: E731
-    return Case(q.to(DEVICE), views[0].to(DEVICE), views[1].to(DEVICE), tables.to(DEVICE), as_long(row_seq),
-                as_long(first_page), as_long(kv_len), as_long(kv_lo), dim ** -0.5)
+    return Case(
+        q.to(DEVICE),
+        views[0].to(DEVICE),
+        views[1].to(DEVICE),
+        tables.to(DEVICE),
+        as_long(row_seq),
+        as_long(first_page),
+        as_long(kv_len),
+        as_long(kv_lo),
+        dim**-0.5,
+    )
 
 
 def check(case: Case, **kwargs) -> torch.Tensor:
@@ -138,8 +170,9 @@ def test_kernel_prefill_chunk_over_cached_prefix():
     """Rows 21..50 of one sequence (the chunk starts mid-page); small blocks so several programs share it."""
     case = make_case([Seq(21, rows=30)])
     out = check(case)
-    torch.testing.assert_close(check(case, query_blocks=plan_query_blocks(case.row_seq.cpu(), 4), block_rows=4), out,
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        check(case, query_blocks=plan_query_blocks(case.row_seq.cpu(), 4), block_rows=4), out, atol=1e-6, rtol=1e-6
+    )
 
 
 @kernel_test

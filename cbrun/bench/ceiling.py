@@ -9,6 +9,7 @@ tokens/s times that cost by the GEMM rate torch reaches on this machine at
 
 from __future__ import annotations
 
+import itertools
 import time
 
 GEMM_ROWS = 256
@@ -39,14 +40,20 @@ def model_gemm_shapes(model) -> list[tuple[int, int]]:
 
 def _layer_index(name: str) -> int | None:
     parts = name.split(".")
-    for a, b in zip(parts, parts[1:]):
+    for a, b in itertools.pairwise(parts):
         if a == "layers" and b.isdigit():
             return int(b)
     return None
 
 
-def measure_gemm_gflops(shapes: list[tuple[int, int]], dtype, device: str = "cpu", rows: int = GEMM_ROWS,
-                        repeats: int = 5, budget_s: float = 2.0) -> float:
+def measure_gemm_gflops(
+    shapes: list[tuple[int, int]],
+    dtype,
+    device: str = "cpu",
+    rows: int = GEMM_ROWS,
+    repeats: int = 5,
+    budget_s: float = 2.0,
+) -> float:
     """Best GFLOP/s of `rows` x K inputs through K -> N linear layers over `shapes` (summed FLOPs / summed time).
 
     Uses `F.linear` with [N, K] weights, the layout and kernel a model's
@@ -56,8 +63,10 @@ def measure_gemm_gflops(shapes: list[tuple[int, int]], dtype, device: str = "cpu
     import torch
     import torch.nn.functional as F
 
-    inputs = [(torch.randn(rows, k, dtype=dtype, device=device), torch.randn(n, k, dtype=dtype, device=device))
-              for k, n in shapes]
+    inputs = [
+        (torch.randn(rows, k, dtype=dtype, device=device), torch.randn(n, k, dtype=dtype, device=device))
+        for k, n in shapes
+    ]
     flops = sum(2.0 * rows * k * n for k, n in shapes)
     best = float("inf")
     spent = 0.0
@@ -85,7 +94,8 @@ def _sync(device: str) -> None:
 
 
 def measure_ceiling(model, run_dtype, device: str = "cpu") -> dict:
-    """GFLOP/token and GEMM rates: bf16 (the reference) and the run's dtype, each the best of model shapes and a square."""
+    """GFLOP/token and GEMM rates: bf16 (the reference) and the run's dtype, each the best of model shapes and a
+    square."""
     import torch
 
     shapes = model_gemm_shapes(model) or [(SQUARE_SIZE, SQUARE_SIZE)]
@@ -94,8 +104,11 @@ def measure_ceiling(model, run_dtype, device: str = "cpu") -> dict:
         name = str(dtype).removeprefix("torch.")
         model_rate = measure_gemm_gflops(shapes, dtype, device)
         square_rate = measure_gemm_gflops([(SQUARE_SIZE, SQUARE_SIZE)], dtype, device)
-        rates[name] = {"model_shapes": round(model_rate, 1), "square": round(square_rate, 1),
-                       "best": round(max(model_rate, square_rate), 1)}
+        rates[name] = {
+            "model_shapes": round(model_rate, 1),
+            "square": round(square_rate, 1),
+            "best": round(max(model_rate, square_rate), 1),
+        }
     return {
         "gflop_per_token": model_gflop_per_token(model),
         "gemm_rows": GEMM_ROWS,

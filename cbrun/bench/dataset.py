@@ -27,8 +27,9 @@ class DatasetPrompts:
     skipped: list[str] = field(default_factory=list)  # each message names the row
 
 
-def read_dataset(path: str | Path, tokenizer, *, output_len: int, max_context: int, vocab_size: int,
-                 limit: int | None = None) -> DatasetPrompts:
+def read_dataset(
+    path: str | Path, tokenizer, *, output_len: int, max_context: int, vocab_size: int, limit: int | None = None
+) -> DatasetPrompts:
     """The first `limit` usable rows as token ids and output lengths."""
     from cbrun.data.prompts import BadRow, RowPreparer
     from cbrun.data.reader import InputError, open_input
@@ -38,8 +39,9 @@ def read_dataset(path: str | Path, tokenizer, *, output_len: int, max_context: i
         source = open_input(str(path))
     except InputError as e:
         raise ValueError(str(e)) from e
-    preparer = RowPreparer(tokenizer, SamplingParams(max_tokens=output_len),
-                           max_context=max_context, vocab_size=vocab_size)
+    preparer = RowPreparer(
+        tokenizer, SamplingParams(max_tokens=output_len), max_context=max_context, vocab_size=vocab_size
+    )
     result = DatasetPrompts()
     window: list = []
 
@@ -82,8 +84,9 @@ def dataset_workload(
     seed: int = 0,
 ) -> tuple[Workload, list[str]]:
     """The workload from a dataset file and the messages of skipped rows."""
-    data = read_dataset(path, tokenizer, output_len=output_len, max_context=max_context, vocab_size=vocab_size,
-                        limit=num_prompts)
+    data = read_dataset(
+        path, tokenizer, output_len=output_len, max_context=max_context, vocab_size=vocab_size, limit=num_prompts
+    )
     if not data.prompts:
         detail = f" ({data.skipped[0]})" if data.skipped else ""
         raise ValueError(f"{path}: no usable prompt rows{detail}")

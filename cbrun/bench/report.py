@@ -74,8 +74,15 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def build_report(config: dict, machine: dict, results: list[PeerResult], ceiling: dict | None,
-                 checks: dict[str, str | None], run_dtype: str, computed_input_tokens: int | None = None) -> dict:
+def build_report(
+    config: dict,
+    machine: dict,
+    results: list[PeerResult],
+    ceiling: dict | None,
+    checks: dict[str, str | None],
+    run_dtype: str,
+    computed_input_tokens: int | None = None,
+) -> dict:
     """The JSON document: config, machine, compute ceiling, one entry per engine, cbrun's engine statistics.
 
     The compute-ceiling fractions count `computed_input_tokens` (the prompt tokens left once shared
@@ -93,8 +100,14 @@ def build_report(config: dict, machine: dict, results: list[PeerResult], ceiling
     }
 
 
-def _entry(r: PeerResult, cbrun: PeerResult | None, ceiling: dict | None, check: str | None, run_dtype: str,
-           computed_input_tokens: int | None) -> dict:
+def _entry(
+    r: PeerResult,
+    cbrun: PeerResult | None,
+    ceiling: dict | None,
+    check: str | None,
+    run_dtype: str,
+    computed_input_tokens: int | None,
+) -> dict:
     entry = {"engine": r.engine, "status": r.status, "reason": r.reason, "dtype": r.dtype or run_dtype}
     if not r.ok:
         return entry
@@ -171,14 +184,22 @@ def report_lines(report: dict) -> list[str]:
         parts = [f"{label} {_stat(stats.get(key), key)}" for key, label in CBRUN_STATS_LABELS.items()]
         lines.append("cbrun engine: " + ", ".join(parts))
     machine = report.get("machine") or {}
-    if machine.get("load_average_1m") and machine.get("cpu_cores") and machine["load_average_1m"] > machine["cpu_cores"]:
-        lines.append(f"Warning: load average {machine['load_average_1m']} on {machine['cpu_cores']} cores at the end "
-                     "of the run: other processes shared the CPU, figures are low and noisy")
+    if (
+        machine.get("load_average_1m")
+        and machine.get("cpu_cores")
+        and machine["load_average_1m"] > machine["cpu_cores"]
+    ):
+        lines.append(
+            f"Warning: load average {machine['load_average_1m']} on {machine['cpu_cores']} cores at the end "
+            "of the run: other processes shared the CPU, figures are low and noisy"
+        )
     ceiling = report.get("compute_ceiling")
     if ceiling:
         rates = ", ".join(f"{dtype} {fmt(r['best'], 1)}" for dtype, r in ceiling["gemm_gflops"].items())
-        lines.append(f"Compute: {fmt(ceiling['gflop_per_token'], 4)} GFLOP/token; GEMM GFLOP/s at "
-                     f"{ceiling['gemm_rows']} rows: {rates}")
+        lines.append(
+            f"Compute: {fmt(ceiling['gflop_per_token'], 4)} GFLOP/token; GEMM GFLOP/s at "
+            f"{ceiling['gemm_rows']} rows: {rates}"
+        )
     for e in report["results"]:
         if e["status"] != "ok":
             lines.append(f"{e['engine']}: {e['status']}: {e['reason']}")
@@ -191,12 +212,16 @@ def report_lines(report: dict) -> list[str]:
     for e in report["results"]:
         if e["status"] == "ok" and e["compute_ceiling_fraction"] is not None:
             run_dtype = report["config"].get("dtype_resolved", "")
-            lines.append(f"Compute ceiling fraction: {fmt(e['compute_ceiling_fraction'], 3)} of bf16 GEMM, "
-                         f"{fmt(e['compute_ceiling_fraction_run_dtype'], 3)} of {run_dtype} GEMM ({e['engine']})")
+            lines.append(
+                f"Compute ceiling fraction: {fmt(e['compute_ceiling_fraction'], 3)} of bf16 GEMM, "
+                f"{fmt(e['compute_ceiling_fraction_run_dtype'], 3)} of {run_dtype} GEMM ({e['engine']})"
+            )
     for e in report["results"]:
         if e["status"] == "ok":
-            lines.append(f"Throughput: {fmt(e['requests_per_s'])} requests/s, {fmt(e['total_tokens_per_s'])} total "
-                         f"tokens/s, {fmt(e['output_tokens_per_s'])} output tokens/s ({e['engine']})")
+            lines.append(
+                f"Throughput: {fmt(e['requests_per_s'])} requests/s, {fmt(e['total_tokens_per_s'])} total "
+                f"tokens/s, {fmt(e['output_tokens_per_s'])} output tokens/s ({e['engine']})"
+            )
     return lines
 
 

@@ -12,8 +12,9 @@ from cbrun.bench.result import PeerResult, PeerUnavailable, count_check
 from cbrun.bench.workload import Workload
 
 
-def run_bench(engines: list[str], ctx: PeerContext, workload: Workload, warmup: Workload, config: dict,
-              with_ceiling: bool = True) -> dict:
+def run_bench(
+    engines: list[str], ctx: PeerContext, workload: Workload, warmup: Workload, config: dict, with_ceiling: bool = True
+) -> dict:
     """Warm-up and timed pass per engine, output-count checks, compute ceiling; returns the report dict.
 
     An engine that cannot run here is reported "unavailable"; one that raises
@@ -26,13 +27,16 @@ def run_bench(engines: list[str], ctx: PeerContext, workload: Workload, warmup: 
         ctx.progress.message("[bench] measuring the GEMM rate")
         ceiling = measure_ceiling(ctx.model, ctx.dtype, ctx.device)
     run_dtype = str(ctx.dtype).removeprefix("torch.")
-    return build_report(config, machine_info(ctx.device), results, ceiling, checks, run_dtype,
-                        workload.num_distinct_prompt_tokens)
+    return build_report(
+        config, machine_info(ctx.device), results, ceiling, checks, run_dtype, workload.num_distinct_prompt_tokens
+    )
 
 
 def _run_one(name: str, ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
-    ctx.progress.message(f"[bench] {name}: {workload.num_prompts} prompts x {workload.n}, "
-                         f"{workload.num_input_tokens} input tokens, up to {workload.max_output_tokens} output tokens")
+    ctx.progress.message(
+        f"[bench] {name}: {workload.num_prompts} prompts x {workload.n}, "
+        f"{workload.num_input_tokens} input tokens, up to {workload.max_output_tokens} output tokens"
+    )
     attention = getattr(ctx.model.config, "_attn_implementation", None)
     try:
         result = peer_runner(name)(ctx, workload, warmup)

@@ -40,8 +40,9 @@ class Validity:
     def note(self) -> str:
         done = self.rows - self.incomplete
         share = 100.0 * self.valid / done if done else 0.0
-        text = (f"structured: {self.valid}/{done} completed rows valid ({share:.1f}%), "
-                f"{self.incomplete} cut by max_tokens")
+        text = (
+            f"structured: {self.valid}/{done} completed rows valid ({share:.1f}%), {self.incomplete} cut by max_tokens"
+        )
         return text + (f"; first invalid: {self.first_invalid}" if self.first_invalid else "")
 
     def as_dict(self) -> dict:

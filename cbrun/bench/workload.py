@@ -133,8 +133,9 @@ def warmup_workload(workload: Workload, token_ids: np.ndarray) -> Workload:
     rng = np.random.default_rng(workload.seed + 7919)
     prompts = [rng.choice(token_ids, size=mean_len).tolist() for _ in range(count)]
     output_lens = [min(WARMUP_MAX_OUTPUT, max(workload.output_lens))] * count
-    structured = None if workload.structured is None else [workload.structured[i % workload.num_prompts]
-                                                           for i in range(count)]
+    structured = (
+        None if workload.structured is None else [workload.structured[i % workload.num_prompts] for i in range(count)]
+    )
     return replace(workload, prompts=prompts, output_lens=output_lens, n=1, source="warmup", structured=structured)
 
 

@@ -30,8 +30,9 @@ app.command("info")(info)
 
 
 @app.callback(invoke_without_command=True)
-def _options(ctx: typer.Context,
-             version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False) -> None:
+def _options(
+    ctx: typer.Context, version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False
+) -> None:
     if version:
         print(version_text())
         raise typer.Exit(0)

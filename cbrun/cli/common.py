@@ -52,44 +52,83 @@ class Scheduler(str, Enum):
 MODEL_PANEL, ENGINE_PANEL = "Model", "Engine"
 DEFAULT_MODEL = "smollm2-135m"
 
-ModelOption = Annotated[str, typer.Option("--model", "-m", help="HF model dir, hub id (downloaded unless cached or "
-                                          "HF_HUB_OFFLINE=1), .gguf file or alias.", rich_help_panel=MODEL_PANEL)]
-RevisionOption = Annotated[Optional[str], typer.Option(help="Branch, tag or commit of a hub --model.",
-                                                       show_default=False, rich_help_panel=MODEL_PANEL)]
-DtypeOption = Annotated[Dtype, typer.Option(
-    help="Weights and compute dtype (auto: bf16 on CPUs with bf16 dot products, AVX512-BF16 or AMX, whose "
-         "kernel passes its self-check; else fp32; bf16 or fp16 on GPU). `cbrun info` shows the choice.",
-    rich_help_panel=MODEL_PANEL)]
+ModelOption = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="HF model dir, hub id (downloaded unless cached or HF_HUB_OFFLINE=1), .gguf file or alias.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
+RevisionOption = Annotated[
+    Optional[str],
+    typer.Option(help="Branch, tag or commit of a hub --model.", show_default=False, rich_help_panel=MODEL_PANEL),
+]
+DtypeOption = Annotated[
+    Dtype,
+    typer.Option(
+        help="Weights and compute dtype (auto: bf16 on CPUs with bf16 dot products, AVX512-BF16 or AMX, whose "
+        "kernel passes its self-check; else fp32; bf16 or fp16 on GPU). `cbrun info` shows the choice.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
 DeviceOption = Annotated[Device, typer.Option(help="Where to run.", rich_help_panel=MODEL_PANEL)]
-PageSizeOption = Annotated[Optional[int], typer.Option(help="KV-cache page size in tokens.",
-                                                       rich_help_panel=ENGINE_PANEL)]
-NumBlocksOption = Annotated[Optional[int], typer.Option(help="KV-cache pages (default: sized from free memory).",
-                                                        rich_help_panel=ENGINE_PANEL)]
-MaxBatchTokensOption = Annotated[Optional[int], typer.Option(help="Query tokens per forward pass.",
-                                                             rich_help_panel=ENGINE_PANEL)]
-MaxRequestsPerBatchOption = Annotated[Optional[int], typer.Option(help="Sequences per forward pass.",
-                                                                  rich_help_panel=ENGINE_PANEL)]
-SchedulerOption = Annotated[Optional[Scheduler], typer.Option(help="Step ordering (default fifo).",
-                                                              rich_help_panel=ENGINE_PANEL)]
-SafetyMarginOption = Annotated[Optional[float], typer.Option(
-    help="Free-cache fraction below which no new prefill starts.", rich_help_panel=ENGINE_PANEL)]
-NoPrefixCacheOption = Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix caching.",
-                                                   rich_help_panel=ENGINE_PANEL)]
-CpuOffloadOption = Annotated[Optional[float], typer.Option(
-    help="CPU swap pool (GiB) for preempted requests; 0 recomputes them.", rich_help_panel=ENGINE_PANEL)]
-MaxMemoryPercentOption = Annotated[Optional[float], typer.Option(
-    help="Share of free memory for the KV cache (0.5 or 50).", rich_help_panel=ENGINE_PANEL)]
-KernelsOption = Annotated[Optional[Kernels], typer.Option(
-    help="CPU linear kernels: portable (default; the same bits on every CPU) or fastest (may take a method "
-         "whose bits are this CPU's own, e.g. oneDNN on fixed blocks, when a trial shows it faster; still "
-         "batch-invariant).", show_default=False, rich_help_panel=ENGINE_PANEL)]
+PageSizeOption = Annotated[
+    Optional[int], typer.Option(help="KV-cache page size in tokens.", rich_help_panel=ENGINE_PANEL)
+]
+NumBlocksOption = Annotated[
+    Optional[int], typer.Option(help="KV-cache pages (default: sized from free memory).", rich_help_panel=ENGINE_PANEL)
+]
+MaxBatchTokensOption = Annotated[
+    Optional[int], typer.Option(help="Query tokens per forward pass.", rich_help_panel=ENGINE_PANEL)
+]
+MaxRequestsPerBatchOption = Annotated[
+    Optional[int], typer.Option(help="Sequences per forward pass.", rich_help_panel=ENGINE_PANEL)
+]
+SchedulerOption = Annotated[
+    Optional[Scheduler], typer.Option(help="Step ordering (default fifo).", rich_help_panel=ENGINE_PANEL)
+]
+SafetyMarginOption = Annotated[
+    Optional[float],
+    typer.Option(help="Free-cache fraction below which no new prefill starts.", rich_help_panel=ENGINE_PANEL),
+]
+NoPrefixCacheOption = Annotated[
+    bool, typer.Option("--no-prefix-cache", help="Disable prefix caching.", rich_help_panel=ENGINE_PANEL)
+]
+CpuOffloadOption = Annotated[
+    Optional[float],
+    typer.Option(help="CPU swap pool (GiB) for preempted requests; 0 recomputes them.", rich_help_panel=ENGINE_PANEL),
+]
+MaxMemoryPercentOption = Annotated[
+    Optional[float],
+    typer.Option(help="Share of free memory for the KV cache (0.5 or 50).", rich_help_panel=ENGINE_PANEL),
+]
+KernelsOption = Annotated[
+    Optional[Kernels],
+    typer.Option(
+        help="CPU linear kernels: portable (default; the same bits on every CPU) or fastest (may take a method "
+        "whose bits are this CPU's own, e.g. oneDNN on fixed blocks, when a trial shows it faster; still "
+        "batch-invariant).",
+        show_default=False,
+        rich_help_panel=ENGINE_PANEL,
+    ),
+]
 
 
-def build_engine_config(*, page_size: int | None = None, num_blocks: int | None = None,
-                        max_batch_tokens: int | None = None, max_requests_per_batch: int | None = None,
-                        scheduler: str | None = None, safety_margin: float | None = None,
-                        no_prefix_cache: bool = False, cpu_offload_gb: float | None = None,
-                        max_memory_percent: float | None = None, kernels: str | None = None):
+def build_engine_config(
+    *,
+    page_size: int | None = None,
+    num_blocks: int | None = None,
+    max_batch_tokens: int | None = None,
+    max_requests_per_batch: int | None = None,
+    scheduler: str | None = None,
+    safety_margin: float | None = None,
+    no_prefix_cache: bool = False,
+    cpu_offload_gb: float | None = None,
+    max_memory_percent: float | None = None,
+    kernels: str | None = None,
+):
     """EngineConfig from command-line values; None keeps EngineConfig's default.
 
     max_memory_percent accepts a fraction (0.5) or a percentage (50).
@@ -100,11 +139,15 @@ def build_engine_config(*, page_size: int | None = None, num_blocks: int | None 
     if max_memory_percent is not None and max_memory_percent > 1:
         max_memory_percent /= 100.0
     given = {
-        "page_size": page_size, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens,
+        "page_size": page_size,
+        "num_blocks": num_blocks,
+        "max_batch_tokens": max_batch_tokens,
         "max_requests_per_batch": max_requests_per_batch,
         "scheduler": scheduler.value if isinstance(scheduler, Enum) else scheduler,
-        "safety_margin": safety_margin, "allow_block_sharing": False if no_prefix_cache else None,
-        "cpu_offload_space": cpu_offload_gb, "max_memory_percent": max_memory_percent,
+        "safety_margin": safety_margin,
+        "allow_block_sharing": False if no_prefix_cache else None,
+        "cpu_offload_space": cpu_offload_gb,
+        "max_memory_percent": max_memory_percent,
         "kernels": kernels.value if isinstance(kernels, Enum) else kernels,
     }
     try:
@@ -118,8 +161,9 @@ def load_model(spec: str, dtype: Dtype | str, device: Device | str, revision: st
     from cbrun.models import ModelLoadError, load_model as load
 
     try:
-        return load(spec, dtype=getattr(dtype, "value", dtype), device=getattr(device, "value", device),
-                    revision=revision)
+        return load(
+            spec, dtype=getattr(dtype, "value", dtype), device=getattr(device, "value", device), revision=revision
+        )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     except (OSError, ValueError, RuntimeError, ImportError) as exc:

@@ -20,11 +20,34 @@ from typing import Annotated, Optional
 
 import typer
 
-from cbrun.cli.common import (DEFAULT_MODEL, EXIT_INTERRUPTED, EXIT_OK, EXIT_ROWS_FAILED, CliError,
-                              CpuOffloadOption, Device, DeviceOption, Dtype, DtypeOption, MaxBatchTokensOption,
-                              KernelsOption, MaxMemoryPercentOption, MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption,
-                              NumBlocksOption, PageSizeOption, RevisionOption, SafetyMarginOption, SchedulerOption,
-                              build_engine_config, check_input_output, first_line, load_model, quiet_libraries)
+from cbrun.cli.common import (
+    DEFAULT_MODEL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_ROWS_FAILED,
+    CliError,
+    CpuOffloadOption,
+    Device,
+    DeviceOption,
+    Dtype,
+    DtypeOption,
+    KernelsOption,
+    MaxBatchTokensOption,
+    MaxMemoryPercentOption,
+    MaxRequestsPerBatchOption,
+    ModelOption,
+    NoPrefixCacheOption,
+    NumBlocksOption,
+    PageSizeOption,
+    RevisionOption,
+    SafetyMarginOption,
+    SchedulerOption,
+    build_engine_config,
+    check_input_output,
+    first_line,
+    load_model,
+    quiet_libraries,
+)
 
 INPUT_PANEL, SAMPLING_PANEL, OUTPUT_PANEL = "Input", "Sampling (rows may override)", "Output"
 SCALE_PANEL = "Past one machine (shards, Ray)"
@@ -85,70 +108,132 @@ class GenerateOptions:
 
 
 def generate(
-    input: Annotated[Optional[str], typer.Argument(
-        help="Prompts: .jsonl/.json file, .parquet file or directory, saved HF dataset directory, or - (stdin).",
-        show_default=False)] = None,
-    output: Annotated[Optional[str], typer.Argument(
-        help="Results: .jsonl or .parquet (by extension), or - for JSON Lines on stdout.", show_default=False)] = None,
+    input: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="Prompts: .jsonl/.json file, .parquet file or directory, saved HF dataset directory, or - (stdin).",
+            show_default=False,
+        ),
+    ] = None,
+    output: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="Results: .jsonl or .parquet (by extension), or - for JSON Lines on stdout.", show_default=False
+        ),
+    ] = None,
     model: ModelOption = DEFAULT_MODEL,
-    dataset: Annotated[Optional[str], typer.Option(
-        help="A Hugging Face dataset (saved directory or name in the local cache) instead of INPUT.",
-        rich_help_panel=INPUT_PANEL)] = None,
-    split: Annotated[Optional[str], typer.Option(help="Dataset split (default: train, or the only one).",
-                                                 rich_help_panel=INPUT_PANEL)] = None,
-    prompt_column: Annotated[Optional[str], typer.Option(
-        help="Column holding the prompt (text, chat messages or token ids) instead of prompt/messages/input_ids.",
-        rich_help_panel=INPUT_PANEL)] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Apply the chat template to text prompts too.",
-                                       rich_help_panel=INPUT_PANEL)] = False,
-    window: Annotated[int, typer.Option(help="Read-ahead window: input rows in flight, prefix-sorted.",
-                                        rich_help_panel=INPUT_PANEL)] = 4096,
-    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.",
-                                            rich_help_panel=SAMPLING_PANEL)] = 256,
+    dataset: Annotated[
+        Optional[str],
+        typer.Option(
+            help="A Hugging Face dataset (saved directory or name in the local cache) instead of INPUT.",
+            rich_help_panel=INPUT_PANEL,
+        ),
+    ] = None,
+    split: Annotated[
+        Optional[str],
+        typer.Option(help="Dataset split (default: train, or the only one).", rich_help_panel=INPUT_PANEL),
+    ] = None,
+    prompt_column: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Column holding the prompt (text, chat messages or token ids) instead of prompt/messages/input_ids.",
+            rich_help_panel=INPUT_PANEL,
+        ),
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Apply the chat template to text prompts too.", rich_help_panel=INPUT_PANEL)
+    ] = False,
+    window: Annotated[
+        int, typer.Option(help="Read-ahead window: input rows in flight, prefix-sorted.", rich_help_panel=INPUT_PANEL)
+    ] = 4096,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.", rich_help_panel=SAMPLING_PANEL)] = 256,
     temperature: Annotated[float, typer.Option(help="0 is greedy.", rich_help_panel=SAMPLING_PANEL)] = 1.0,
-    top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling (default off: 1.0).",
-                                                   rich_help_panel=SAMPLING_PANEL)] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="Top-k sampling (default off: 0).",
-                                                 rich_help_panel=SAMPLING_PANEL)] = None,
-    min_p: Annotated[Optional[float], typer.Option(help="Min-p sampling (default off: 0).",
-                                                   rich_help_panel=SAMPLING_PANEL)] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed: same seed, same samples, whatever the batch.",
-                                                rich_help_panel=SAMPLING_PANEL)] = None,
+    top_p: Annotated[
+        Optional[float], typer.Option(help="Nucleus sampling (default off: 1.0).", rich_help_panel=SAMPLING_PANEL)
+    ] = None,
+    top_k: Annotated[
+        Optional[int], typer.Option(help="Top-k sampling (default off: 0).", rich_help_panel=SAMPLING_PANEL)
+    ] = None,
+    min_p: Annotated[
+        Optional[float], typer.Option(help="Min-p sampling (default off: 0).", rich_help_panel=SAMPLING_PANEL)
+    ] = None,
+    seed: Annotated[
+        Optional[int],
+        typer.Option(help="Seed: same seed, same samples, whatever the batch.", rich_help_panel=SAMPLING_PANEL),
+    ] = None,
     n: Annotated[int, typer.Option("--n", help="Samples per prompt.", rich_help_panel=SAMPLING_PANEL)] = 1,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).",
-                                                      rich_help_panel=SAMPLING_PANEL)] = None,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens.",
-                                             rich_help_panel=SAMPLING_PANEL)] = False,
-    logprobs: Annotated[bool, typer.Option("--logprobs", help="Add the logprobs column (one per token).",
-                                           rich_help_panel=OUTPUT_PANEL)] = False,
-    top_logprobs: Annotated[int, typer.Option(help="Add top_logprobs: the K most likely tokens at each step.",
-                                              rich_help_panel=OUTPUT_PANEL)] = 0,
-    json_schema: Annotated[Optional[str], typer.Option(
-        "--json-schema", metavar="FILE", help="Every output is JSON valid against this JSON schema file.",
-        rich_help_panel=STRUCTURED_PANEL)] = None,
-    regex: Annotated[Optional[str], typer.Option(help="Every output matches this regular expression.",
-                                                 rich_help_panel=STRUCTURED_PANEL)] = None,
-    choice: Annotated[Optional[list[str]], typer.Option(help="Every output is one of these strings (repeatable).",
-                                                        rich_help_panel=STRUCTURED_PANEL)] = None,
-    grammar: Annotated[Optional[str], typer.Option(
-        metavar="FILE", help="Every output follows this grammar (Lark or GBNF/EBNF text file).",
-        rich_help_panel=STRUCTURED_PANEL)] = None,
-    masked_logprobs: Annotated[bool, typer.Option(
-        "--masked-logprobs", help="Constrained rows report logprobs of the masked distribution they were "
-        "sampled from (default: the model's, before the mask).", rich_help_panel=STRUCTURED_PANEL)] = False,
-    keep_columns: Annotated[Optional[str], typer.Option(help="Input columns to copy to the output (a,b,c).",
-                                                        rich_help_panel=OUTPUT_PANEL)] = None,
-    prompt_token_ids: Annotated[bool, typer.Option("--prompt-token-ids", help="Add the prompt_token_ids column.",
-                                                   rich_help_panel=OUTPUT_PANEL)] = False,
-    format: Annotated[OutputFormat, typer.Option(
-        help="auto: OpenAI Batch output for OpenAI Batch input (JSON Lines), else cbrun rows.",
-        rich_help_panel=OUTPUT_PANEL)] = OutputFormat.auto,
-    resume: Annotated[bool, typer.Option("--resume", help="Finish an interrupted job: keep OUTPUT's rows, do the rest.",
-                                         rich_help_panel=OUTPUT_PANEL)] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing OUTPUT.",
-                                            rich_help_panel=OUTPUT_PANEL)] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.",
-                                        rich_help_panel=OUTPUT_PANEL)] = False,
+    stop: Annotated[
+        Optional[list[str]], typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING_PANEL)
+    ] = None,
+    ignore_eos: Annotated[
+        bool,
+        typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens.", rich_help_panel=SAMPLING_PANEL),
+    ] = False,
+    logprobs: Annotated[
+        bool, typer.Option("--logprobs", help="Add the logprobs column (one per token).", rich_help_panel=OUTPUT_PANEL)
+    ] = False,
+    top_logprobs: Annotated[
+        int, typer.Option(help="Add top_logprobs: the K most likely tokens at each step.", rich_help_panel=OUTPUT_PANEL)
+    ] = 0,
+    json_schema: Annotated[
+        Optional[str],
+        typer.Option(
+            "--json-schema",
+            metavar="FILE",
+            help="Every output is JSON valid against this JSON schema file.",
+            rich_help_panel=STRUCTURED_PANEL,
+        ),
+    ] = None,
+    regex: Annotated[
+        Optional[str],
+        typer.Option(help="Every output matches this regular expression.", rich_help_panel=STRUCTURED_PANEL),
+    ] = None,
+    choice: Annotated[
+        Optional[list[str]],
+        typer.Option(help="Every output is one of these strings (repeatable).", rich_help_panel=STRUCTURED_PANEL),
+    ] = None,
+    grammar: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="FILE",
+            help="Every output follows this grammar (Lark or GBNF/EBNF text file).",
+            rich_help_panel=STRUCTURED_PANEL,
+        ),
+    ] = None,
+    masked_logprobs: Annotated[
+        bool,
+        typer.Option(
+            "--masked-logprobs",
+            help="Constrained rows report logprobs of the masked distribution they were "
+            "sampled from (default: the model's, before the mask).",
+            rich_help_panel=STRUCTURED_PANEL,
+        ),
+    ] = False,
+    keep_columns: Annotated[
+        Optional[str], typer.Option(help="Input columns to copy to the output (a,b,c).", rich_help_panel=OUTPUT_PANEL)
+    ] = None,
+    prompt_token_ids: Annotated[
+        bool, typer.Option("--prompt-token-ids", help="Add the prompt_token_ids column.", rich_help_panel=OUTPUT_PANEL)
+    ] = False,
+    format: Annotated[
+        OutputFormat,
+        typer.Option(
+            help="auto: OpenAI Batch output for OpenAI Batch input (JSON Lines), else cbrun rows.",
+            rich_help_panel=OUTPUT_PANEL,
+        ),
+    ] = OutputFormat.auto,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", help="Finish an interrupted job: keep OUTPUT's rows, do the rest.", rich_help_panel=OUTPUT_PANEL
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing OUTPUT.", rich_help_panel=OUTPUT_PANEL)
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.", rich_help_panel=OUTPUT_PANEL)
+    ] = False,
     dtype: DtypeOption = Dtype.auto,
     device: DeviceOption = Device.auto,
     revision: RevisionOption = None,
@@ -162,45 +247,115 @@ def generate(
     cpu_offload_gb: CpuOffloadOption = None,
     max_memory_percent: MaxMemoryPercentOption = None,
     kernels: KernelsOption = None,
-    num_shards: Annotated[Optional[int], typer.Option(
-        help="Split the input into N shards by a stable hash of each row's id; this process runs one. "
-             "Default: SLURM_ARRAY_TASK_COUNT, CBRUN_NUM_SHARDS (with JOB_COMPLETION_INDEX) or WORLD_SIZE. "
-             "Sharded, OUTPUT out.parquet becomes the directory out.parquet/ of part-IIIII-of-NNNNN.parquet "
-             "files, unless OUTPUT names one file per shard with {shard} (e.g. out-{shard}.jsonl).",
-        show_default=False, rich_help_panel=SCALE_PANEL)] = None,
-    shard_index: Annotated[Optional[int], typer.Option(
-        help="The shard this process runs, 0..N-1. Default: SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), "
-             "JOB_COMPLETION_INDEX or RANK.", show_default=False, rich_help_panel=SCALE_PANEL)] = None,
-    ray: Annotated[bool, typer.Option(
-        "--ray", help="Run on Ray (pip install 'cbrun\\[ray]'): --replicas engine actors; a Parquet OUTPUT "
-                      "becomes a directory of part files written as results finish; row order is not kept.",
-        rich_help_panel=SCALE_PANEL)] = False,
-    ray_address: Annotated[Optional[str], typer.Option(
-        help="Ray cluster to join (ray://host:10001 or auto); default: start a local one.",
-        show_default=False, rich_help_panel=SCALE_PANEL)] = None,
-    replicas: Annotated[int, typer.Option(help="With --ray: engine actors, one model copy each.",
-                                          rich_help_panel=SCALE_PANEL)] = 2,
-    threads_per_replica: Annotated[int, typer.Option(help="With --ray: CPU threads of each engine.",
-                                                     rich_help_panel=SCALE_PANEL)] = 1,
-    cpus_per_replica: Annotated[Optional[float], typer.Option(
-        help="With --ray: CPUs Ray reserves per actor; fractions let actors share cores "
-             "(default: threads-per-replica, lowered to fit a local machine's cores).",
-        show_default=False, rich_help_panel=SCALE_PANEL)] = None,
+    num_shards: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Split the input into N shards by a stable hash of each row's id; this process runs one. "
+            "Default: SLURM_ARRAY_TASK_COUNT, CBRUN_NUM_SHARDS (with JOB_COMPLETION_INDEX) or WORLD_SIZE. "
+            "Sharded, OUTPUT out.parquet becomes the directory out.parquet/ of part-IIIII-of-NNNNN.parquet "
+            "files, unless OUTPUT names one file per shard with {shard} (e.g. out-{shard}.jsonl).",
+            show_default=False,
+            rich_help_panel=SCALE_PANEL,
+        ),
+    ] = None,
+    shard_index: Annotated[
+        Optional[int],
+        typer.Option(
+            help="The shard this process runs, 0..N-1. Default: SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), "
+            "JOB_COMPLETION_INDEX or RANK.",
+            show_default=False,
+            rich_help_panel=SCALE_PANEL,
+        ),
+    ] = None,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Run on Ray (pip install 'cbrun\\[ray]'): --replicas engine actors; a Parquet OUTPUT "
+            "becomes a directory of part files written as results finish; row order is not kept.",
+            rich_help_panel=SCALE_PANEL,
+        ),
+    ] = False,
+    ray_address: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Ray cluster to join (ray://host:10001 or auto); default: start a local one.",
+            show_default=False,
+            rich_help_panel=SCALE_PANEL,
+        ),
+    ] = None,
+    replicas: Annotated[
+        int, typer.Option(help="With --ray: engine actors, one model copy each.", rich_help_panel=SCALE_PANEL)
+    ] = 2,
+    threads_per_replica: Annotated[
+        int, typer.Option(help="With --ray: CPU threads of each engine.", rich_help_panel=SCALE_PANEL)
+    ] = 1,
+    cpus_per_replica: Annotated[
+        Optional[float],
+        typer.Option(
+            help="With --ray: CPUs Ray reserves per actor; fractions let actors share cores "
+            "(default: threads-per-replica, lowered to fit a local machine's cores).",
+            show_default=False,
+            rich_help_panel=SCALE_PANEL,
+        ),
+    ] = None,
 ) -> int:
     """Run a prompt dataset through the engine; write one row per (prompt, sample) as results finish."""
-    engine = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                  max_requests_per_batch=max_requests_per_batch, scheduler=scheduler, safety_margin=safety_margin,
-                  no_prefix_cache=no_prefix_cache, cpu_offload_gb=cpu_offload_gb,
-                  max_memory_percent=max_memory_percent, kernels=kernels)
+    engine = dict(
+        page_size=page_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests_per_batch,
+        scheduler=scheduler,
+        safety_margin=safety_margin,
+        no_prefix_cache=no_prefix_cache,
+        cpu_offload_gb=cpu_offload_gb,
+        max_memory_percent=max_memory_percent,
+        kernels=kernels,
+    )
     options = GenerateOptions(
-        input=input, output=output, model=model, dataset=dataset, split=split, prompt_column=prompt_column,
-        chat=chat, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        seed=seed, n=n, stop=list(stop or []), ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
-        json_schema=json_schema, regex=regex, choice=list(choice or []), grammar=grammar,
-        masked_logprobs=masked_logprobs, keep_columns=keep_columns, prompt_token_ids=prompt_token_ids, format=format, resume=resume,
-        overwrite=overwrite, quiet=quiet, window=window, dtype=dtype, device=device, revision=revision, engine=engine,
-        num_shards=num_shards, shard_index=shard_index, ray=ray, ray_address=ray_address, replicas=replicas,
-        threads_per_replica=threads_per_replica, cpus_per_replica=cpus_per_replica)
+        input=input,
+        output=output,
+        model=model,
+        dataset=dataset,
+        split=split,
+        prompt_column=prompt_column,
+        chat=chat,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        n=n,
+        stop=list(stop or []),
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        json_schema=json_schema,
+        regex=regex,
+        choice=list(choice or []),
+        grammar=grammar,
+        masked_logprobs=masked_logprobs,
+        keep_columns=keep_columns,
+        prompt_token_ids=prompt_token_ids,
+        format=format,
+        resume=resume,
+        overwrite=overwrite,
+        quiet=quiet,
+        window=window,
+        dtype=dtype,
+        device=device,
+        revision=revision,
+        engine=engine,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        ray=ray,
+        ray_address=ray_address,
+        replicas=replicas,
+        threads_per_replica=threads_per_replica,
+        cpus_per_replica=cpus_per_replica,
+    )
     return run_generate(options)
 
 
@@ -232,21 +387,38 @@ def run_generate(opts: GenerateOptions) -> int:
         fmt, converter = _formats(fmt_name, openai_input, tokenizer, opts, keep)
         engine = _start_engine(model, tokenizer, engine_config)
         try:
-            preparer = RowPreparer(tokenizer, sampling, max_context=engine.max_context, vocab_size=engine.vocab_size,
-                                   prompt_column=opts.prompt_column, chat=opts.chat, keep_columns=keep)
+            preparer = RowPreparer(
+                tokenizer,
+                sampling,
+                max_context=engine.max_context,
+                vocab_size=engine.vocab_size,
+                prompt_column=opts.prompt_column,
+                chat=opts.chat,
+                keep_columns=keep,
+            )
             writer = target.open_writer(fmt, data_stream, append=opts.resume)
             progress = JobProgress(rows_total=source.total if shard is None else None)  # a shard's size is unknown
             rows = source if shard is None else _select_rows(source, shard)
-            job = GenerateJob(engine, rows, preparer, fmt, writer, openai=converter, resume=resume_state,
-                              window=opts.window, progress=progress)
+            job = GenerateJob(
+                engine,
+                rows,
+                preparer,
+                fmt,
+                writer,
+                openai=converter,
+                resume=resume_state,
+                window=opts.window,
+                progress=progress,
+            )
             dashboard = None if opts.quiet else _dashboard(engine, progress)
             with _interrupts(job, dashboard):  # held until the output is closed: a late Ctrl-C loses nothing
                 try:
                     with dashboard or contextlib.nullcontext():
                         job.run()
                 except InputError as exc:
-                    raise CliError(f"{exc}; the rows written so far are kept (finish with --resume)",
-                                   EXIT_ROWS_FAILED) from None
+                    raise CliError(
+                        f"{exc}; the rows written so far are kept (finish with --resume)", EXIT_ROWS_FAILED
+                    ) from None
                 except BrokenPipeError:  # `cbrun generate ... - | head`: the reader has enough
                     raise CliError("stopped: the reader of stdout closed the pipe", EXIT_ROWS_FAILED) from None
                 finally:
@@ -268,7 +440,7 @@ class OutputTarget:
     path: Path | None
 
     @classmethod
-    def parse(cls, spec: str, input_spec: str | None) -> "OutputTarget":
+    def parse(cls, spec: str, input_spec: str | None) -> OutputTarget:
         if spec == "-":
             return cls("stdout", None)
         path = Path(spec)
@@ -321,8 +493,10 @@ def _shard(opts: GenerateOptions):
         if shard is None:
             return None
         if opts.ray:
-            raise ShardError(f"--ray runs the whole input; this process was given shard {shard.describe()} "
-                             "(unset the scheduler's variables or drop --num-shards)")
+            raise ShardError(
+                f"--ray runs the whole input; this process was given shard {shard.describe()} "
+                "(unset the scheduler's variables or drop --num-shards)"
+            )
         output, in_directory = shard_output(opts.output, shard)
     except ShardError as exc:
         raise CliError(str(exc)) from None
@@ -339,12 +513,21 @@ def _run_ray(opts: GenerateOptions, sampling, keep: tuple[str, ...], engine_conf
     """`--ray`: the same checks and output columns, on --replicas Ray actors (see cbrun.scale.ray_job)."""
     from dataclasses import asdict
 
-    from cbrun.scale.ray_job import (ProgressLines, RayJobError, RayProgress, default_cpus, run_ray_job, start_ray,
-                                     summary)
+    from cbrun.scale.ray_job import (
+        ProgressLines,
+        RayJobError,
+        RayProgress,
+        default_cpus,
+        run_ray_job,
+        start_ray,
+        summary,
+    )
 
     if opts.resume:
-        raise CliError("--resume does not work with --ray yet; write to a new OUTPUT, or shard the job instead "
-                       "(--num-shards), which resumes per shard")
+        raise CliError(
+            "--resume does not work with --ray yet; write to a new OUTPUT, or shard the job instead "
+            "(--num-shards), which resumes per shard"
+        )
     if opts.format == OutputFormat.openai:
         raise CliError("--format openai does not work with --ray (it writes cbrun rows)")
     if opts.replicas < 1 or opts.threads_per_replica < 1:
@@ -357,10 +540,20 @@ def _run_ray(opts: GenerateOptions, sampling, keep: tuple[str, ...], engine_conf
     if _is_openai_input(source):
         raise CliError("OpenAI Batch API input does not work with --ray; run it without --ray")
     fmt = _formats("cbrun", False, None, opts, keep)[0]
-    generator = dict(model=opts.model, sampling={k: v for k, v in asdict(sampling).items() if k != "top_logprobs"},
-                     engine=asdict(engine_config), dtype=opts.dtype.value, device=opts.device.value,
-                     logprobs=opts.logprobs, top_logprobs=opts.top_logprobs, prompt_token_ids=opts.prompt_token_ids,
-                     keep_columns=keep, prompt_column=opts.prompt_column, chat=opts.chat, revision=opts.revision)
+    generator = dict(
+        model=opts.model,
+        sampling={k: v for k, v in asdict(sampling).items() if k != "top_logprobs"},
+        engine=asdict(engine_config),
+        dtype=opts.dtype.value,
+        device=opts.device.value,
+        logprobs=opts.logprobs,
+        top_logprobs=opts.top_logprobs,
+        prompt_token_ids=opts.prompt_token_ids,
+        keep_columns=keep,
+        prompt_column=opts.prompt_column,
+        chat=opts.chat,
+        revision=opts.revision,
+    )
     cpus = opts.cpus_per_replica or default_cpus(opts.threads_per_replica, opts.replicas, opts.ray_address is None)
     progress = RayProgress()
     with _claim_stdout(target.kind == "stdout") as data_stream:
@@ -368,8 +561,16 @@ def _run_ray(opts: GenerateOptions, sampling, keep: tuple[str, ...], engine_conf
         try:
             start_ray(opts.ray_address, opts.threads_per_replica, opts.quiet)
             with contextlib.nullcontext() if opts.quiet else ProgressLines(progress):
-                run_ray_job(source, write_block, progress, generator=generator, replicas=opts.replicas,
-                            threads=opts.threads_per_replica, cpus_per_replica=cpus, window=opts.window)
+                run_ray_job(
+                    source,
+                    write_block,
+                    progress,
+                    generator=generator,
+                    replicas=opts.replicas,
+                    threads=opts.threads_per_replica,
+                    cpus_per_replica=cpus,
+                    window=opts.window,
+                )
         except RayJobError as exc:
             raise CliError(f"{exc}; the part files written so far are kept", EXIT_ROWS_FAILED) from None
         finally:
@@ -379,8 +580,10 @@ def _run_ray(opts: GenerateOptions, sampling, keep: tuple[str, ...], engine_conf
         for line in summary(progress, where):
             print(line, file=sys.stderr)
     if progress.rows_failed:
-        print(f"{progress.rows_failed} of {progress.rows_done} rows failed (see the error column of {where})",
-              file=sys.stderr)
+        print(
+            f"{progress.rows_failed} of {progress.rows_done} rows failed (see the error column of {where})",
+            file=sys.stderr,
+        )
         return EXIT_ROWS_FAILED
     return EXIT_OK
 
@@ -417,12 +620,23 @@ def _sampling(opts: GenerateOptions):
     from cbrun.data.constraints import job_constraint
     from cbrun.engine import ConfigError, SamplingParams
 
-    values = dict(max_tokens=opts.max_tokens, temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k,
-                  min_p=opts.min_p, seed=opts.seed, n=opts.n, stop=tuple(opts.stop), ignore_eos=opts.ignore_eos,
-                  top_logprobs=opts.top_logprobs, masked_logprobs=opts.masked_logprobs)
+    values = dict(
+        max_tokens=opts.max_tokens,
+        temperature=opts.temperature,
+        top_p=opts.top_p,
+        top_k=opts.top_k,
+        min_p=opts.min_p,
+        seed=opts.seed,
+        n=opts.n,
+        stop=tuple(opts.stop),
+        ignore_eos=opts.ignore_eos,
+        top_logprobs=opts.top_logprobs,
+        masked_logprobs=opts.masked_logprobs,
+    )
     try:
-        values["structured"] = job_constraint(json_schema_file=opts.json_schema, regex=opts.regex,
-                                              choice=opts.choice or None, grammar_file=opts.grammar)
+        values["structured"] = job_constraint(
+            json_schema_file=opts.json_schema, regex=opts.regex, choice=opts.choice or None, grammar_file=opts.grammar
+        )
     except ValueError as exc:
         raise CliError(str(exc)) from None
     try:
@@ -482,9 +696,13 @@ def _formats(name: str, openai_input: bool, tokenizer, opts: GenerateOptions, ke
     converter = OpenAIFormat(tokenizer, opts.model) if openai_input else None
     if name == "openai":
         return converter, converter
-    fmt = CbrunFormat(logprobs=opts.logprobs, top_logprobs=opts.top_logprobs > 0,
-                      prompt_token_ids=opts.prompt_token_ids, keep_columns=keep,
-                      structured=any((opts.json_schema, opts.regex, opts.choice, opts.grammar)))
+    fmt = CbrunFormat(
+        logprobs=opts.logprobs,
+        top_logprobs=opts.top_logprobs > 0,
+        prompt_token_ids=opts.prompt_token_ids,
+        keep_columns=keep,
+        structured=any((opts.json_schema, opts.regex, opts.choice, opts.grammar)),
+    )
     return fmt, converter
 
 
@@ -560,8 +778,11 @@ def _interrupts(job, dashboard):
         hard = count[0] > 1 or signum == signal.SIGTERM
         job.stop(hard=hard)
         if dashboard is not None:
-            dashboard.note("stopping now; writing finished rows" if hard else
-                           "stopping: finishing the requests in flight (Ctrl-C again to stop now)")
+            dashboard.note(
+                "stopping now; writing finished rows"
+                if hard
+                else "stopping: finishing the requests in flight (Ctrl-C again to stop now)"
+            )
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -577,8 +798,11 @@ def _report(progress, dashboard, target: OutputTarget, opts: GenerateOptions, sh
         where += f" (shard {shard.index} of {shard.count})"
     if progress.interrupted:
         code = EXIT_INTERRUPTED
-        line = (f"interrupted: {progress.rows_done} rows done; run the same command with --resume to finish"
-                if target.path is not None else f"interrupted: {progress.rows_done} rows done")
+        line = (
+            f"interrupted: {progress.rows_done} rows done; run the same command with --resume to finish"
+            if target.path is not None
+            else f"interrupted: {progress.rows_done} rows done"
+        )
     elif progress.rows_failed:
         code = EXIT_ROWS_FAILED
         line = f"{progress.rows_failed} of {progress.rows_done} rows failed (see the error column of {where})"

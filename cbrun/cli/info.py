@@ -18,8 +18,25 @@ from typing import Annotated
 import typer
 
 _DEFAULT_MODEL_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # (N, K) of SmolLM2-135M
-_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+_ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "bf16",
+)
 
 
 def version_text() -> str:
@@ -41,10 +58,18 @@ def gather(policy: str = "portable") -> dict:
 
     flags = set(cpu_flags().split())
     info: dict = {
-        "versions": {"cbrun": _version("cbrun"), "torch": torch.__version__, "transformers": _version("transformers"),
-                     "python": platform.python_version()},
-        "cpu": {"model": _cpu_model(), "machine": platform.machine(),
-                "isa": [flag for flag in _ISA_FLAGS if flag in flags], "threads": torch.get_num_threads()},
+        "versions": {
+            "cbrun": _version("cbrun"),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "python": platform.python_version(),
+        },
+        "cpu": {
+            "model": _cpu_model(),
+            "machine": platform.machine(),
+            "isa": [flag for flag in _ISA_FLAGS if flag in flags],
+            "threads": torch.get_num_threads(),
+        },
         "kernels": None,
         "linear_methods": {},
     }
@@ -55,16 +80,29 @@ def gather(policy: str = "portable") -> dict:
         from cbrun.engine.cpu.method_selector import bf16_dot_products_here, choose_linear_method
         from cbrun.engine.cpu.self_check import Shape, cache_path
 
-        info["kernels"] = {"built": True, "build": kernels.build_name, "linear_vector_lanes": kernels.vector_width,
-                           "self_check_cache": str(cache_path()), "policy": policy}
+        info["kernels"] = {
+            "built": True,
+            "build": kernels.build_name,
+            "linear_vector_lanes": kernels.vector_width,
+            "self_check_cache": str(cache_path()),
+            "policy": policy,
+        }
         shapes = [Shape(n, k) for n, k in _DEFAULT_MODEL_SHAPES]
         for dtype in (torch.float32, torch.bfloat16):
             choice = choose_linear_method(kernels, dtype, shapes, policy)
             info["linear_methods"][str(dtype).removeprefix("torch.")] = {
                 "method": choice.method.name if choice.method else None,
                 "same_bits_on_every_cpu": bool(choice.method and choice.method.portable),
-                "checks": [{"method": c.method, "passed": c.passed, "detail": c.detail, "cached": c.cached,
-                            "seconds": round(c.seconds, 3)} for c in choice.checks],
+                "checks": [
+                    {
+                        "method": c.method,
+                        "passed": c.passed,
+                        "detail": c.detail,
+                        "cached": c.cached,
+                        "seconds": round(c.seconds, 3),
+                    }
+                    for c in choice.checks
+                ],
             }
         ready, why = bf16_dot_products_here()
         info["dtype_auto_cpu"] = {"dtype": "bfloat16" if ready else "float32", "why": why}
@@ -97,8 +135,11 @@ def info(
         return 0
     out = sys.stdout
     versions = data["versions"]
-    print(f"cbrun {versions['cbrun']}  (torch {versions['torch']}, transformers {versions['transformers']}, "
-          f"python {versions['python']})", file=out)
+    print(
+        f"cbrun {versions['cbrun']}  (torch {versions['torch']}, transformers {versions['transformers']}, "
+        f"python {versions['python']})",
+        file=out,
+    )
     cpu = data["cpu"]
     print(f"CPU        {cpu['model']} ({cpu['machine']}), {cpu['threads']} threads", file=out)
     print(f"ISA        {' '.join(cpu['isa']) or 'none of note'}", file=out)
@@ -106,16 +147,19 @@ def info(
     if not built["built"]:
         print(f"kernels    not built: {built['why']} (the torch reference paths run)", file=out)
         return 0
-    print(f"kernels    {built['build']} ({built['linear_vector_lanes']}-lane linear), policy {built['policy']}",
-          file=out)
+    print(
+        f"kernels    {built['build']} ({built['linear_vector_lanes']}-lane linear), policy {built['policy']}", file=out
+    )
     for dtype, method in data["linear_methods"].items():
         name = method["method"] or "none passed"
         bits = "same bits on every CPU" if method["same_bits_on_every_cpu"] else "this CPU's own bits"
         print(f"{dtype:<10} {name} ({bits})", file=out)
         for check in method["checks"]:
             cost = "cached" if check["cached"] else f"{check['seconds']:.2f} s"
-            print(f"{'':<12}{'pass' if check['passed'] else 'FAIL'} {check['method']}: {check['detail']} ({cost})",
-                  file=out)
+            print(
+                f"{'':<12}{'pass' if check['passed'] else 'FAIL'} {check['method']}: {check['detail']} ({cost})",
+                file=out,
+            )
     auto = data["dtype_auto_cpu"]
     print(f"dtype auto {auto['dtype']} on CPU: {auto['why']}", file=out)
     print(f"cache      {built['self_check_cache']}", file=out)

@@ -15,11 +15,30 @@ from typing import Annotated, Optional
 
 import typer
 
-from cbrun.cli.common import (DEFAULT_MODEL, EXIT_ROWS_FAILED, CliError, CpuOffloadOption, Device, DeviceOption,
-                              Dtype, DtypeOption, MaxBatchTokensOption, KernelsOption, MaxMemoryPercentOption,
-                              MaxRequestsPerBatchOption, ModelOption, NoPrefixCacheOption, NumBlocksOption,
-                              PageSizeOption, SafetyMarginOption, SchedulerOption, build_engine_config,
-                              check_input_output, load_model, quiet_libraries)
+from cbrun.cli.common import (
+    DEFAULT_MODEL,
+    EXIT_ROWS_FAILED,
+    CliError,
+    CpuOffloadOption,
+    Device,
+    DeviceOption,
+    Dtype,
+    DtypeOption,
+    KernelsOption,
+    MaxBatchTokensOption,
+    MaxMemoryPercentOption,
+    MaxRequestsPerBatchOption,
+    ModelOption,
+    NoPrefixCacheOption,
+    NumBlocksOption,
+    PageSizeOption,
+    SafetyMarginOption,
+    SchedulerOption,
+    build_engine_config,
+    check_input_output,
+    load_model,
+    quiet_libraries,
+)
 from cbrun.cli.generate import OutputTarget, _claim_stdout, _interrupts, _report, _start_engine
 
 INPUT_PANEL, OUTPUT_PANEL = "Input", "Output"
@@ -49,37 +68,73 @@ class ScoreOptions:
 
 
 def score(
-    input: Annotated[Optional[str], typer.Argument(
-        help="Rows of prompt + completion(s): .jsonl/.json, .parquet, saved HF dataset, or - (stdin); "
-             "`cbrun generate --prompt-token-ids` output works as it is.", show_default=False)] = None,
-    output: Annotated[Optional[str], typer.Argument(
-        help="Results: .jsonl or .parquet (by extension), or - for JSON Lines on stdout.", show_default=False)] = None,
+    input: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="Rows of prompt + completion(s): .jsonl/.json, .parquet, saved HF dataset, or - (stdin); "
+            "`cbrun generate --prompt-token-ids` output works as it is.",
+            show_default=False,
+        ),
+    ] = None,
+    output: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="Results: .jsonl or .parquet (by extension), or - for JSON Lines on stdout.", show_default=False
+        ),
+    ] = None,
     model: ModelOption = DEFAULT_MODEL,
-    dataset: Annotated[Optional[str], typer.Option(
-        help="A Hugging Face dataset (saved directory or name in the local cache) instead of INPUT.",
-        rich_help_panel=INPUT_PANEL)] = None,
-    split: Annotated[Optional[str], typer.Option(help="Dataset split (default: train, or the only one).",
-                                                 rich_help_panel=INPUT_PANEL)] = None,
-    prompt_column: Annotated[Optional[str], typer.Option(
-        help="Column holding the prompt instead of prompt_token_ids/prompt/messages/input_ids.",
-        rich_help_panel=INPUT_PANEL)] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Apply the chat template to text prompts too.",
-                                       rich_help_panel=INPUT_PANEL)] = False,
-    window: Annotated[int, typer.Option(help="Read-ahead window: input rows in flight, prefix-sorted.",
-                                        rich_help_panel=INPUT_PANEL)] = 4096,
-    top_logprobs: Annotated[int, typer.Option(help="Add top_logprobs: the K most likely tokens at each position.",
-                                              rich_help_panel=OUTPUT_PANEL)] = 0,
-    prompt_logprobs: Annotated[bool, typer.Option(
-        "--prompt-logprobs", help="Add prompt_logprobs (one per prompt token, the first null); computes every "
-        "prompt position, so completions no longer share a cached prompt.", rich_help_panel=OUTPUT_PANEL)] = False,
-    keep_columns: Annotated[Optional[str], typer.Option(help="Input columns to copy to the output (a,b,c).",
-                                                        rich_help_panel=OUTPUT_PANEL)] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Finish an interrupted job: keep OUTPUT's rows, do the rest.",
-                                         rich_help_panel=OUTPUT_PANEL)] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing OUTPUT.",
-                                            rich_help_panel=OUTPUT_PANEL)] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.",
-                                        rich_help_panel=OUTPUT_PANEL)] = False,
+    dataset: Annotated[
+        Optional[str],
+        typer.Option(
+            help="A Hugging Face dataset (saved directory or name in the local cache) instead of INPUT.",
+            rich_help_panel=INPUT_PANEL,
+        ),
+    ] = None,
+    split: Annotated[
+        Optional[str],
+        typer.Option(help="Dataset split (default: train, or the only one).", rich_help_panel=INPUT_PANEL),
+    ] = None,
+    prompt_column: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Column holding the prompt instead of prompt_token_ids/prompt/messages/input_ids.",
+            rich_help_panel=INPUT_PANEL,
+        ),
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Apply the chat template to text prompts too.", rich_help_panel=INPUT_PANEL)
+    ] = False,
+    window: Annotated[
+        int, typer.Option(help="Read-ahead window: input rows in flight, prefix-sorted.", rich_help_panel=INPUT_PANEL)
+    ] = 4096,
+    top_logprobs: Annotated[
+        int,
+        typer.Option(help="Add top_logprobs: the K most likely tokens at each position.", rich_help_panel=OUTPUT_PANEL),
+    ] = 0,
+    prompt_logprobs: Annotated[
+        bool,
+        typer.Option(
+            "--prompt-logprobs",
+            help="Add prompt_logprobs (one per prompt token, the first null); computes every "
+            "prompt position, so completions no longer share a cached prompt.",
+            rich_help_panel=OUTPUT_PANEL,
+        ),
+    ] = False,
+    keep_columns: Annotated[
+        Optional[str], typer.Option(help="Input columns to copy to the output (a,b,c).", rich_help_panel=OUTPUT_PANEL)
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", help="Finish an interrupted job: keep OUTPUT's rows, do the rest.", rich_help_panel=OUTPUT_PANEL
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing OUTPUT.", rich_help_panel=OUTPUT_PANEL)
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.", rich_help_panel=OUTPUT_PANEL)
+    ] = False,
     dtype: DtypeOption = Dtype.auto,
     device: DeviceOption = Device.auto,
     page_size: PageSizeOption = None,
@@ -94,14 +149,37 @@ def score(
     kernels: KernelsOption = None,
 ) -> int:
     """Score given completions: per-token logprobs (temperature 1), their sum, and whether each was greedy."""
-    engine = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                  max_requests_per_batch=max_requests_per_batch, scheduler=scheduler, safety_margin=safety_margin,
-                  no_prefix_cache=no_prefix_cache, cpu_offload_gb=cpu_offload_gb,
-                  max_memory_percent=max_memory_percent, kernels=kernels)
+    engine = dict(
+        page_size=page_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests_per_batch,
+        scheduler=scheduler,
+        safety_margin=safety_margin,
+        no_prefix_cache=no_prefix_cache,
+        cpu_offload_gb=cpu_offload_gb,
+        max_memory_percent=max_memory_percent,
+        kernels=kernels,
+    )
     options = ScoreOptions(
-        input=input, output=output, model=model, dataset=dataset, split=split, prompt_column=prompt_column,
-        chat=chat, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, keep_columns=keep_columns,
-        resume=resume, overwrite=overwrite, quiet=quiet, window=window, dtype=dtype, device=device, engine=engine)
+        input=input,
+        output=output,
+        model=model,
+        dataset=dataset,
+        split=split,
+        prompt_column=prompt_column,
+        chat=chat,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        keep_columns=keep_columns,
+        resume=resume,
+        overwrite=overwrite,
+        quiet=quiet,
+        window=window,
+        dtype=dtype,
+        device=device,
+        engine=engine,
+    )
     return run_score(options)
 
 
@@ -129,21 +207,37 @@ def run_score(opts: ScoreOptions) -> int:
             raise CliError(f"--chat: the tokenizer of {opts.model!r} has no chat template")
         engine = _start_engine(model, tokenizer, engine_config)
         try:
-            preparer = ScorePreparer(tokenizer, max_context=engine.max_context, vocab_size=engine.vocab_size,
-                                     prompt_column=opts.prompt_column, chat=opts.chat, keep_columns=keep)
+            preparer = ScorePreparer(
+                tokenizer,
+                max_context=engine.max_context,
+                vocab_size=engine.vocab_size,
+                prompt_column=opts.prompt_column,
+                chat=opts.chat,
+                keep_columns=keep,
+            )
             writer = target.open_writer(fmt, data_stream, append=opts.resume)
             progress = JobProgress(rows_total=source.total)
-            job = ScoreJob(engine, source, preparer, fmt, writer, prompt_logprobs=opts.prompt_logprobs,
-                           top_logprobs=opts.top_logprobs, resume=resume_state, window=opts.window,
-                           progress=progress)
+            job = ScoreJob(
+                engine,
+                source,
+                preparer,
+                fmt,
+                writer,
+                prompt_logprobs=opts.prompt_logprobs,
+                top_logprobs=opts.top_logprobs,
+                resume=resume_state,
+                window=opts.window,
+                progress=progress,
+            )
             dashboard = None if opts.quiet else _dashboard(engine, progress)
             with _interrupts(job, dashboard):  # held until the output is closed: a late Ctrl-C loses nothing
                 try:
                     with dashboard or contextlib.nullcontext():
                         job.run()
                 except InputError as exc:
-                    raise CliError(f"{exc}; the rows written so far are kept (finish with --resume)",
-                                   EXIT_ROWS_FAILED) from None
+                    raise CliError(
+                        f"{exc}; the rows written so far are kept (finish with --resume)", EXIT_ROWS_FAILED
+                    ) from None
                 except BrokenPipeError:
                     raise CliError("stopped: the reader of stdout closed the pipe", EXIT_ROWS_FAILED) from None
                 finally:

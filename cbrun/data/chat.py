@@ -14,8 +14,20 @@ from __future__ import annotations
 from typing import Any
 
 TEXT_PART_TYPES = ("text", "input_text")
-MEDIA_PART_TYPES = ("image_url", "image", "input_image", "image_pil", "image_embeds", "audio_url", "input_audio",
-                    "audio", "video_url", "video", "file", "input_file")
+MEDIA_PART_TYPES = (
+    "image_url",
+    "image",
+    "input_image",
+    "image_pil",
+    "image_embeds",
+    "audio_url",
+    "input_audio",
+    "audio",
+    "video_url",
+    "video",
+    "file",
+    "input_file",
+)
 
 
 class ChatContentError(ValueError):

@@ -19,7 +19,7 @@ from cbrun.engine.config import STRUCTURED_KINDS, ConfigError, StructuredSpec
 ROW_FIELDS = STRUCTURED_KINDS
 
 
-def row_constraint(record: dict) -> StructuredSpec | None | str:
+def row_constraint(record: dict) -> StructuredSpec | str | None:
     """The row's own constraint, None when it has none, or an error message naming the field."""
     given = {name: record[name] for name in ROW_FIELDS if record.get(name) is not None}
     if given.get("json_object") is False:
@@ -56,8 +56,13 @@ def response_format_fields(response_format: Any) -> dict | str:
     return {"json_schema": schema or {"type": "object"}}
 
 
-def job_constraint(*, json_schema_file: str | None = None, regex: str | None = None,
-                   choice: list[str] | None = None, grammar_file: str | None = None) -> StructuredSpec | None:
+def job_constraint(
+    *,
+    json_schema_file: str | None = None,
+    regex: str | None = None,
+    choice: list[str] | None = None,
+    grammar_file: str | None = None,
+) -> StructuredSpec | None:
     """The job-wide constraint from the command line (raises ValueError with a one-line message)."""
     fields: dict[str, Any] = {}
     if json_schema_file is not None:

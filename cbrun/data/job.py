@@ -85,9 +85,19 @@ class GenerateJob:
     resume: what an earlier run wrote (those rows are skipped).
     """
 
-    def __init__(self, engine, rows: Iterable[RawRow], preparer: RowPreparer, fmt, writer, *,
-                 openai: OpenAIFormat | None = None, resume: ResumeState | None = None,
-                 window: int = DEFAULT_WINDOW, progress: JobProgress | None = None):
+    def __init__(
+        self,
+        engine,
+        rows: Iterable[RawRow],
+        preparer: RowPreparer,
+        fmt,
+        writer,
+        *,
+        openai: OpenAIFormat | None = None,
+        resume: ResumeState | None = None,
+        window: int = DEFAULT_WINDOW,
+        progress: JobProgress | None = None,
+    ):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.engine = engine

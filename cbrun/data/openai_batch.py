@@ -32,8 +32,12 @@ PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
 
 def looks_like_openai_batch(record: dict | None) -> bool:
     """True for a Batch API request line (custom_id, body and url or method)."""
-    return (isinstance(record, dict) and "custom_id" in record and isinstance(record.get("body"), dict)
-            and ("url" in record or "method" in record))
+    return (
+        isinstance(record, dict)
+        and "custom_id" in record
+        and isinstance(record.get("body"), dict)
+        and ("url" in record or "method" in record)
+    )
 
 
 def convert_request(record: dict) -> tuple[dict, dict] | str:
@@ -120,9 +124,12 @@ class OpenAIFormat:
             "created": int(time.time()),
             "model": meta.get("model") or self.model_name,
             "choices": [self._choice(sample, out, chat, meta.get("logprobs", False)) for sample, out in results],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens,
-                      "prompt_tokens_details": {"cached_tokens": max(out.num_cached_tokens for _, out in results)}},
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": max(out.num_cached_tokens for _, out in results)},
+            },
         }
         return [self._line(spec.id, 200, body)]
 
@@ -148,17 +155,24 @@ class OpenAIFormat:
 
     def _line(self, custom_id: str, status: int, body: dict) -> dict:
         digest = _short_hash(custom_id)
-        return {"id": f"batch_req_{digest}", "custom_id": custom_id,
-                "response": {"status_code": status, "request_id": f"req_{digest}", "body": body},
-                "error": None}
+        return {
+            "id": f"batch_req_{digest}",
+            "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": f"req_{digest}", "body": body},
+            "error": None,
+        }
 
     def _choice(self, index: int, out: GenerationOutput, chat: bool, want_logprobs: bool) -> dict:
         logprobs = None
         if want_logprobs:
             logprobs = self._chat_logprobs(out) if chat else self._completion_logprobs(out)
         if chat:
-            return {"index": index, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": logprobs, "finish_reason": out.finish_reason}
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason,
+            }
         return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
     def _token(self, token_id: int) -> str:
@@ -169,9 +183,17 @@ class OpenAIFormat:
         content = []
         for token_id, logprob, alternatives in zip(out.token_ids, out.logprobs, tops):
             text = self._token(token_id)
-            content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": (alt := self._token(t)), "logprob": lp,
-                                              "bytes": list(alt.encode())} for t, lp in alternatives]})
+            content.append(
+                {
+                    "token": text,
+                    "logprob": logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": (alt := self._token(t)), "logprob": lp, "bytes": list(alt.encode())}
+                        for t, lp in alternatives
+                    ],
+                }
+            )
         return {"content": content}
 
     def _completion_logprobs(self, out: GenerationOutput) -> dict:

@@ -73,8 +73,17 @@ class RowPreparer:
     keep_columns: input columns copied to the output row.
     """
 
-    def __init__(self, tokenizer, base: SamplingParams, *, max_context: int, vocab_size: int,
-                 prompt_column: str | None = None, chat: bool = False, keep_columns: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        base: SamplingParams,
+        *,
+        max_context: int,
+        vocab_size: int,
+        prompt_column: str | None = None,
+        chat: bool = False,
+        keep_columns: tuple[str, ...] = (),
+    ):
         self.tokenizer = tokenizer
         self.base = base
         self.max_context = max_context
@@ -203,12 +212,17 @@ class RowPreparer:
             return _bad_from(spec, f"{spec.field}: empty prompt (no tokens)")
         max_tokens = spec.sampling.max_tokens
         if len(ids) + max_tokens > self.max_context:
-            return _bad_from(spec, f"{spec.field}: prompt of {len(ids)} tokens plus max_tokens {max_tokens} "
-                                   f"exceeds the model's context of {self.max_context} tokens")
+            return _bad_from(
+                spec,
+                f"{spec.field}: prompt of {len(ids)} tokens plus max_tokens {max_tokens} "
+                f"exceeds the model's context of {self.max_context} tokens",
+            )
         if spec.kind == "ids" and not (min(ids) >= 0 and max(ids) < self.vocab_size):
             pos, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-            return _bad_from(spec, f"{spec.field}: token id {token} at position {pos} is outside "
-                                   f"the vocabulary [0, {self.vocab_size})")
+            return _bad_from(
+                spec,
+                f"{spec.field}: token id {token} at position {pos} is outside the vocabulary [0, {self.vocab_size})",
+            )
         return spec
 
 
@@ -240,7 +254,7 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def _strip_field(name: str, message: str) -> str:
-    return message[len(name) + 1:] if message.startswith(name + " ") else message
+    return message[len(name) + 1 :] if message.startswith(name + " ") else message
 
 
 def _prompt_kind(value: Any) -> str | None:

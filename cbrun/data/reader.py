@@ -76,8 +76,9 @@ class InputSource:
         yield from self._rows
 
 
-def open_input(spec: str | None, *, dataset: str | None = None, split: str | None = None,
-               columns: set[str] | None = None) -> InputSource:
+def open_input(
+    spec: str | None, *, dataset: str | None = None, split: str | None = None, columns: set[str] | None = None
+) -> InputSource:
     """Open INPUT (`-` for stdin, a file or directory) or `--dataset NAME_OR_PATH`.
 
     columns: for columnar inputs, the columns worth reading (others are skipped);
@@ -107,6 +108,7 @@ def open_input(spec: str | None, *, dataset: str | None = None, split: str | Non
 
 
 # --- JSON -------------------------------------------------------------------
+
 
 def iter_jsonl(stream: BinaryIO, close: bool = False) -> Iterator[RawRow]:
     """Rows of a JSON Lines byte stream; unparseable lines become error rows."""
@@ -190,6 +192,7 @@ def count_jsonl_rows(path: Path, max_bytes: int = 4 << 30) -> int | None:
 
 # --- Parquet ----------------------------------------------------------------
 
+
 def _parquet_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
@@ -227,9 +230,11 @@ def _open_parquet(path: Path, columns: set[str] | None) -> InputSource:
 
 # --- Hugging Face datasets --------------------------------------------------
 
+
 def _is_saved_hf_dataset(path: Path) -> bool:
-    return (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() \
-        or (path / "state.json").exists()
+    return (
+        (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists()
+    )
 
 
 def _open_hf(name: str, split: str | None) -> InputSource:

@@ -33,9 +33,21 @@ from dataclasses import dataclass
 from cbrun.data.prompts import BadRow, RowSpec
 from cbrun.engine.request import GenerationOutput
 
-BASE_COLUMNS = ("id", "sample", "completion", "completion_token_ids", "logprobs", "top_logprobs",
-                "finish_reason", "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens",
-                "error", "structured", "prompt_token_ids")
+BASE_COLUMNS = (
+    "id",
+    "sample",
+    "completion",
+    "completion_token_ids",
+    "logprobs",
+    "top_logprobs",
+    "finish_reason",
+    "num_prompt_tokens",
+    "num_completion_tokens",
+    "num_cached_tokens",
+    "error",
+    "structured",
+    "prompt_token_ids",
+)
 STOPPED_MARKER = "engine stopped"
 _BAD_ROW = re.compile(r"^row (\d+)(?: \(line \d+\))?: ")
 
@@ -63,7 +75,7 @@ def engine_error(spec: RowSpec, out: GenerationOutput) -> str:
 
 
 def structured_status(out: GenerationOutput) -> str | None:
-    """"complete" / "incomplete" for a constrained output, None for a free or failed one."""
+    """ "complete" / "incomplete" for a constrained output, None for a free or failed one."""
     if out.structured_complete is None or out.finish_reason == "error":
         return None
     return "complete" if out.structured_complete else "incomplete"
@@ -92,8 +104,12 @@ class CbrunFormat:
     per_row = False  # one output row per sample, written as soon as it finishes
 
     def columns(self) -> list[str]:
-        optional = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs,
-                    "prompt_token_ids": self.prompt_token_ids, "structured": self.structured}
+        optional = {
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs,
+            "prompt_token_ids": self.prompt_token_ids,
+            "structured": self.structured,
+        }
         return [c for c in BASE_COLUMNS if optional.get(c, True)] + list(self.keep_columns)
 
     def result_rows(self, spec: RowSpec, results: list[tuple[int, GenerationOutput]]) -> list[dict]:
@@ -101,16 +117,20 @@ class CbrunFormat:
 
     def _result_row(self, spec: RowSpec, sample: int, out: GenerationOutput) -> dict:
         failed = out.finish_reason == "error"
-        row = {"id": spec.id, "sample": sample, "completion": out.text,
-               "completion_token_ids": list(out.token_ids)}
+        row = {"id": spec.id, "sample": sample, "completion": out.text, "completion_token_ids": list(out.token_ids)}
         if self.logprobs:
             row["logprobs"] = list(out.logprobs)
         if self.top_logprobs:
-            row["top_logprobs"] = [[{"token_id": t, "logprob": lp} for t, lp in position]
-                                   for position in out.top_logprobs or []]
-        row.update(finish_reason=out.finish_reason, num_prompt_tokens=spec.num_prompt_tokens,
-                   num_completion_tokens=len(out.token_ids), num_cached_tokens=out.num_cached_tokens,
-                   error=engine_error(spec, out) if failed else None)
+            row["top_logprobs"] = [
+                [{"token_id": t, "logprob": lp} for t, lp in position] for position in out.top_logprobs or []
+            ]
+        row.update(
+            finish_reason=out.finish_reason,
+            num_prompt_tokens=spec.num_prompt_tokens,
+            num_completion_tokens=len(out.token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            error=engine_error(spec, out) if failed else None,
+        )
         if self.structured or out.structured_complete is not None:
             row["structured"] = structured_status(out)
         if self.prompt_token_ids:
@@ -124,8 +144,9 @@ class CbrunFormat:
             row["logprobs"] = []
         if self.top_logprobs:
             row["top_logprobs"] = []
-        row.update(finish_reason="error", num_prompt_tokens=0, num_completion_tokens=0,
-                   num_cached_tokens=0, error=bad.message)
+        row.update(
+            finish_reason="error", num_prompt_tokens=0, num_completion_tokens=0, num_cached_tokens=0, error=bad.message
+        )
         if self.structured:
             row["structured"] = None
         if self.prompt_token_ids:
@@ -152,11 +173,18 @@ class CbrunFormat:
 
         token_list = pa.list_(pa.int32())
         types = {
-            "id": pa.string(), "sample": pa.int64(), "completion": pa.string(),
-            "completion_token_ids": token_list, "logprobs": pa.list_(pa.float32()),
+            "id": pa.string(),
+            "sample": pa.int64(),
+            "completion": pa.string(),
+            "completion_token_ids": token_list,
+            "logprobs": pa.list_(pa.float32()),
             "top_logprobs": pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())]))),
-            "finish_reason": pa.string(), "num_prompt_tokens": pa.int64(), "num_completion_tokens": pa.int64(),
-            "num_cached_tokens": pa.int64(), "error": pa.string(), "structured": pa.string(),
+            "finish_reason": pa.string(),
+            "num_prompt_tokens": pa.int64(),
+            "num_completion_tokens": pa.int64(),
+            "num_cached_tokens": pa.int64(),
+            "error": pa.string(),
+            "structured": pa.string(),
             "prompt_token_ids": token_list,
         }
         keep_types = keep_types or {}

@@ -39,8 +39,19 @@ from cbrun.engine.request import GenerationOutput
 COMPLETION_FIELDS = ("completions_token_ids", "completions", "completion_token_ids", "completion")
 TEXT_FIELDS = ("completions", "completion")
 SCORE_PROMPT_IDS = "prompt_token_ids"
-SCORE_COLUMNS = ("id", "sample", "completion_token_ids", "logprobs", "sum_logprob", "num_completion_tokens",
-                 "is_greedy", "top_logprobs", "prompt_logprobs", "num_cached_tokens", "error")
+SCORE_COLUMNS = (
+    "id",
+    "sample",
+    "completion_token_ids",
+    "logprobs",
+    "sum_logprob",
+    "num_completion_tokens",
+    "is_greedy",
+    "top_logprobs",
+    "prompt_logprobs",
+    "num_cached_tokens",
+    "error",
+)
 
 
 @dataclass
@@ -60,10 +71,25 @@ class ScoreRowSpec(RowSpec):
 class ScorePreparer(RowPreparer):
     """Validates score rows; prompts are built as `generate` builds them (see `RowPreparer`)."""
 
-    def __init__(self, tokenizer, *, max_context: int, vocab_size: int, prompt_column: str | None = None,
-                 chat: bool = False, keep_columns: tuple[str, ...] = ()):
-        super().__init__(tokenizer, SamplingParams(max_tokens=1), max_context=max_context, vocab_size=vocab_size,
-                         prompt_column=prompt_column, chat=chat, keep_columns=keep_columns)
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_context: int,
+        vocab_size: int,
+        prompt_column: str | None = None,
+        chat: bool = False,
+        keep_columns: tuple[str, ...] = (),
+    ):
+        super().__init__(
+            tokenizer,
+            SamplingParams(max_tokens=1),
+            max_context=max_context,
+            vocab_size=vocab_size,
+            prompt_column=prompt_column,
+            chat=chat,
+            keep_columns=keep_columns,
+        )
         self._seen_pairs: dict[tuple[str, int], int] = {}  # (id, sample) -> first row using it
 
     def parse(self, raw: RawRow, record: dict | None = None, meta: dict | None = None) -> ScoreRowSpec | BadRow:
@@ -100,8 +126,20 @@ class ScorePreparer(RowPreparer):
         if isinstance(source, str):
             return bad(source)
         kind, prompt_field, value = source
-        return ScoreRowSpec(raw.index, row_id, where, kind, prompt_field, value, self.base, keep, meta,
-                            samples=samples, completion_field=field_name, completions=completions)
+        return ScoreRowSpec(
+            raw.index,
+            row_id,
+            where,
+            kind,
+            prompt_field,
+            value,
+            self.base,
+            keep,
+            meta,
+            samples=samples,
+            completion_field=field_name,
+            completions=completions,
+        )
 
     def _score_prompt_source(self, record: dict) -> tuple[str, str, Any] | str:
         """`prompt_token_ids` (exactly what generate ran) first, then the usual prompt fields."""
@@ -134,12 +172,16 @@ class ScorePreparer(RowPreparer):
                 return _bad_from(spec, f"{name}: empty completion (no tokens)")
             if not (min(ids) >= 0 and max(ids) < self.vocab_size):
                 pos, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-                return _bad_from(spec, f"{name}: token id {token} at position {pos} is outside "
-                                       f"the vocabulary [0, {self.vocab_size})")
+                return _bad_from(
+                    spec, f"{name}: token id {token} at position {pos} is outside the vocabulary [0, {self.vocab_size})"
+                )
             total = spec.num_prompt_tokens + len(ids)
             if total > self.max_context:
-                return _bad_from(spec, f"{name}: prompt ({spec.num_prompt_tokens} tokens) plus completion "
-                                       f"({len(ids)} tokens) exceed the model's context of {self.max_context} tokens")
+                return _bad_from(
+                    spec,
+                    f"{name}: prompt ({spec.num_prompt_tokens} tokens) plus completion "
+                    f"({len(ids)} tokens) exceed the model's context of {self.max_context} tokens",
+                )
         return spec
 
 
@@ -162,8 +204,10 @@ def _completions(record: dict) -> tuple[str, list[Any]] | str:
             if not text and set(map(type, item)) != {int}:
                 return f"{label}: must be a list of integer token ids"
         return name, items
-    return ("no completion: expected 'completion', 'completion_token_ids', 'completions' or "
-            "'completions_token_ids'" + _error_hint(record))
+    return (
+        "no completion: expected 'completion', 'completion_token_ids', 'completions' or "
+        "'completions_token_ids'" + _error_hint(record)
+    )
 
 
 def _error_hint(record: dict) -> str:
@@ -199,12 +243,21 @@ class ScoreFormat:
     def _result_row(self, spec: RowSpec, sample: int, out: GenerationOutput) -> dict:
         failed = not out.ok  # an error, or a cancel (resume redoes it)
         logprobs = [] if failed else list(out.logprobs)
-        row = {"id": spec.id, "sample": sample, "completion_token_ids": list(out.token_ids), "logprobs": logprobs,
-               "sum_logprob": None if failed else math.fsum(logprobs),
-               "num_completion_tokens": len(out.token_ids), "is_greedy": None if failed else out.is_greedy}
+        row = {
+            "id": spec.id,
+            "sample": sample,
+            "completion_token_ids": list(out.token_ids),
+            "logprobs": logprobs,
+            "sum_logprob": None if failed else math.fsum(logprobs),
+            "num_completion_tokens": len(out.token_ids),
+            "is_greedy": None if failed else out.is_greedy,
+        }
         if self.top_logprobs:
-            row["top_logprobs"] = [] if failed else [[{"token_id": t, "logprob": lp} for t, lp in position]
-                                                     for position in out.top_logprobs or []]
+            row["top_logprobs"] = (
+                []
+                if failed
+                else [[{"token_id": t, "logprob": lp} for t, lp in position] for position in out.top_logprobs or []]
+            )
         if self.prompt_logprobs:
             row["prompt_logprobs"] = None if failed else out.prompt_logprobs
         row.update(num_cached_tokens=out.num_cached_tokens, error=engine_error(spec, out) if failed else None)
@@ -212,8 +265,15 @@ class ScoreFormat:
         return row
 
     def bad_row(self, bad: BadRow) -> dict:
-        row = {"id": bad.id, "sample": (bad.meta or {}).get("sample", 0), "completion_token_ids": [],
-               "logprobs": [], "sum_logprob": None, "num_completion_tokens": 0, "is_greedy": None}
+        row = {
+            "id": bad.id,
+            "sample": (bad.meta or {}).get("sample", 0),
+            "completion_token_ids": [],
+            "logprobs": [],
+            "sum_logprob": None,
+            "num_completion_tokens": 0,
+            "is_greedy": None,
+        }
         if self.top_logprobs:
             row["top_logprobs"] = []
         if self.prompt_logprobs:
@@ -241,11 +301,17 @@ class ScoreFormat:
 
         floats = pa.list_(pa.float32())
         types = {
-            "id": pa.string(), "sample": pa.int64(), "completion_token_ids": pa.list_(pa.int32()),
-            "logprobs": floats, "sum_logprob": pa.float64(), "num_completion_tokens": pa.int64(),
+            "id": pa.string(),
+            "sample": pa.int64(),
+            "completion_token_ids": pa.list_(pa.int32()),
+            "logprobs": floats,
+            "sum_logprob": pa.float64(),
+            "num_completion_tokens": pa.int64(),
             "is_greedy": pa.bool_(),
             "top_logprobs": pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())]))),
-            "prompt_logprobs": floats, "num_cached_tokens": pa.int64(), "error": pa.string(),
+            "prompt_logprobs": floats,
+            "num_cached_tokens": pa.int64(),
+            "error": pa.string(),
         }
         keep_types = keep_types or {}
         return pa.schema([(c, types[c] if c in types else keep_types.get(c, pa.string())) for c in self.columns()])
@@ -255,8 +321,18 @@ class ScoreJob(GenerateJob):
     """`GenerateJob` submitting scoring requests: one engine request id per input row, one
     result (sample) per completion; resume skips every (id, sample) already written."""
 
-    def __init__(self, engine, rows, preparer: ScorePreparer, fmt: ScoreFormat, writer, *,
-                 prompt_logprobs: bool = False, top_logprobs: int = 0, **kwargs):
+    def __init__(
+        self,
+        engine,
+        rows,
+        preparer: ScorePreparer,
+        fmt: ScoreFormat,
+        writer,
+        *,
+        prompt_logprobs: bool = False,
+        top_logprobs: int = 0,
+        **kwargs,
+    ):
         super().__init__(engine, rows, preparer, fmt, writer, **kwargs)
         self.prompt_logprobs = prompt_logprobs
         self.top_logprobs = top_logprobs
@@ -292,7 +368,12 @@ class ScoreJob(GenerateJob):
         request_id = str(spec.index)
         self._requests[request_id] = _Request(row, len(samples))
         by_sample = dict(zip(spec.samples, spec.completion_ids))
-        self.engine.add_score_request(spec.token_ids, [by_sample[s] for s in samples], request_id,
-                                      samples=samples, prompt_logprobs=self.prompt_logprobs,
-                                      top_logprobs=self.top_logprobs)
+        self.engine.add_score_request(
+            spec.token_ids,
+            [by_sample[s] for s in samples],
+            request_id,
+            samples=samples,
+            prompt_logprobs=self.prompt_logprobs,
+            top_logprobs=self.top_logprobs,
+        )
         spec.token_ids, spec.completion_ids = None, None  # the engine holds its own copies

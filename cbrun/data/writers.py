@@ -17,6 +17,7 @@ and drops them as duplicates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -44,8 +45,14 @@ def dumps(row: dict) -> bytes:
 class JsonlWriter:
     """Appends rows as JSON lines, flushing (and fsyncing files) regularly."""
 
-    def __init__(self, stream: BinaryIO, *, fsync: bool = True, flush_rows: int = FLUSH_ROWS,
-                 flush_seconds: float = FLUSH_SECONDS):
+    def __init__(
+        self,
+        stream: BinaryIO,
+        *,
+        fsync: bool = True,
+        flush_rows: int = FLUSH_ROWS,
+        flush_seconds: float = FLUSH_SECONDS,
+    ):
         self._stream = stream
         self._fsync = fsync
         self.flush_rows = flush_rows
@@ -55,7 +62,7 @@ class JsonlWriter:
         self.rows_written = 0
 
     @classmethod
-    def open(cls, path: Path, append: bool, **kwargs) -> "JsonlWriter":
+    def open(cls, path: Path, append: bool, **kwargs) -> JsonlWriter:
         return cls(open(path, "ab" if append else "wb"), **kwargs)
 
     def write(self, row: dict) -> None:
@@ -73,10 +80,8 @@ class JsonlWriter:
     def flush(self) -> None:
         self._stream.flush()
         if self._fsync:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a pipe or a closed stream: nothing to sync
                 os.fsync(self._stream.fileno())
-            except (OSError, ValueError):  # a pipe or a closed stream: nothing to sync
-                pass
         self._unflushed = 0
         self._last_flush = time.monotonic()
 
@@ -209,9 +214,13 @@ def _conform(batch, schema):
     table = pa.Table.from_batches([batch])
     if "finish_reason" in table.column_names:
         error = table.column("error") if "error" in table.column_names else pa.nulls(len(table), pa.string())
-        killed = pc.or_(pc.equal(table.column("finish_reason"), "cancelled"),
-                        pc.and_(pc.equal(table.column("finish_reason"), "error"),
-                                pc.fill_null(pc.match_substring(error, STOPPED_MARKER), False)))
+        killed = pc.or_(
+            pc.equal(table.column("finish_reason"), "cancelled"),
+            pc.and_(
+                pc.equal(table.column("finish_reason"), "error"),
+                pc.fill_null(pc.match_substring(error, STOPPED_MARKER), False),
+            ),
+        )
         table = table.filter(pc.invert(pc.fill_null(killed, False)))
     columns = []
     for field in schema:

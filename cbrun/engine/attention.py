@@ -30,9 +30,17 @@ BATCH_KWARG = "cbrun_batch"  # the step's PagedBatch (tensors only)
 BACKEND_KWARG = "cbrun_backend"  # the engine's compute backend (backend.py), which attends and writes K/V
 
 
-def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, scaling: float | None = None,
-                    dropout: float = 0.0, softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def paged_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """`softcap` (Gemma 2) caps the scores as `softcap * tanh(s / softcap)`; the compiled kernels do not,
     so the engine lays a soft-capped model's steps out for the torch paths (its backend's
     `attends_rows` is False)."""
@@ -49,7 +57,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         q = query[0, :, : batch.num_rows]  # [H, R, D]
         out[: batch.num_rows] = backend.attend_rows(q, k_pool, v_pool, layout.decode, scale, softcap)  # [R, H, D]
     for seq in layout.prefills:
-        out[seq.start: seq.end] = torch_attention.prefill(query, key, value, k_pool, v_pool, seq, scale, softcap)
+        out[seq.start : seq.end] = torch_attention.prefill(query, key, value, k_pool, v_pool, seq, scale, softcap)
     return out.unsqueeze(0), None
 
 

@@ -59,13 +59,15 @@ class TorchBackend:
         """Extra per-step tensors the row attention wants for these sequences (kernel backends only)."""
         return ()
 
-    def write_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+    def write_kv(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> None:
         """Store the new tokens' K/V ([H_kv, T, D]) at their flat slots [T] of the pools [H_kv, NB, P, D]."""
         torch_attention.write(k_pool, v_pool, key, value, slots)
 
-    def attend_rows(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows, scale: float,
-                    softcap: float | None) -> torch.Tensor:
+    def attend_rows(
+        self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows, scale: float, softcap: float | None
+    ) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys -> [R, H, D] (the torch path; kernels override)."""
         return torch_attention.decode(query, k_pool, v_pool, rows.per_row(), scale, softcap)
 
@@ -113,8 +115,10 @@ def _pick(name: str, device: torch.device, policy: str):
         if kernels is not None:
             return CpuBackend(kernels, policy)
         if name == "cpu":
-            raise BackendUnavailable("the compiled CPU kernels could not be built or are switched off "
-                                     "(CBRUN_KERNELS=torch); see the log for why")
+            raise BackendUnavailable(
+                "the compiled CPU kernels could not be built or are switched off "
+                "(CBRUN_KERNELS=torch); see the log for why"
+            )
         return TorchBackend()
     if name == "cpu":
         raise BackendUnavailable(f"the cpu backend runs models on the CPU; this model is on {device}")

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbrun.engine.device_copy import to_device
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
 from cbrun.engine.request import Request
-from cbrun.engine.device_copy import to_device
 
 
 @dataclass
@@ -90,8 +90,12 @@ class DecodeLayout:
         if self.row_seq is None:
             return self
         if self._per_row is None:
-            self._per_row = DecodeLayout(self.tables.index_select(0, self.row_seq), self.kv_len, self.kv_lo,
-                                         self.first_page.index_select(0, self.row_seq))
+            self._per_row = DecodeLayout(
+                self.tables.index_select(0, self.row_seq),
+                self.kv_len,
+                self.kv_lo,
+                self.first_page.index_select(0, self.row_seq),
+            )
         return self._per_row
 
 
@@ -125,8 +129,16 @@ ROW_CHUNK = 64  # chunks over a cached context up to this long are attended row 
 class BatchBuilder:
     """Turns (request, new tokens) pairs into a PagedBatch for the cache's allocators."""
 
-    def __init__(self, cache: KVCacheManager, store: KVStore, layer_groups: tuple[str, ...],
-                 page_size: int, sliding_window: int | None, device: torch.device, backend) -> None:
+    def __init__(
+        self,
+        cache: KVCacheManager,
+        store: KVStore,
+        layer_groups: tuple[str, ...],
+        page_size: int,
+        sliding_window: int | None,
+        device: torch.device,
+        backend,
+    ) -> None:
         self.backend = backend  # attends_rows: every token a row; plan_rows: its per-step plan
         self.cache = cache
         self.store = store
@@ -150,7 +162,7 @@ class BatchBuilder:
         scored: list[tuple[Request, int, int]] = []
         for request, count in items:
             start = request.num_computed_tokens
-            ids.extend(request.all_token_ids[start:start + count])
+            ids.extend(request.all_token_ids[start : start + count])
             positions.extend(range(start, start + count))
             if request.score is not None:  # scoring: keep every wanted position, sample nothing
                 first = max(start, request.next_score_position)
@@ -240,8 +252,9 @@ class BatchBuilder:
             plan=self.backend.plan_rows(seqs, self.page_size, window is not None),
         )
 
-    def _prefill_seq(self, request: Request, count: int, offset: int, table: list[int],
-                     first: int, window: int | None) -> PrefillSeq:
+    def _prefill_seq(
+        self, request: Request, count: int, offset: int, table: list[int], first: int, window: int | None
+    ) -> PrefillSeq:
         start = request.num_computed_tokens
         query_pos = torch.arange(start, start + count)  # [q]
         if start == 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -164,5 +164,3 @@ class BlockPool:
             assert block in self._hash_of, "cached block without hash"
         for block_hash, block in self._block_of.items():
             assert self._hash_of[block] == block_hash, "hash maps disagree"
-
-

@@ -95,11 +95,14 @@ class EngineConfig:
         if self.safety_margin is None:
             self.safety_margin = 0.15 if self.scheduler == "fifo" else 0.0
         _check(0.0 <= self.safety_margin < 1.0, f"safety_margin must be in [0, 1), got {self.safety_margin}")
-        _check(self.backend in BACKEND_NAMES,
-               f"backend must be one of {', '.join(BACKEND_NAMES)}, got {self.backend!r}")
+        _check(
+            self.backend in BACKEND_NAMES, f"backend must be one of {', '.join(BACKEND_NAMES)}, got {self.backend!r}"
+        )
         _check(self.cpu_offload_space >= 0, f"cpu_offload_space must be >= 0, got {self.cpu_offload_space}")
-        _check(self.kernels in KERNEL_POLICIES,
-               f"kernels must be one of {', '.join(KERNEL_POLICIES)}, got {self.kernels!r}")
+        _check(
+            self.kernels in KERNEL_POLICIES,
+            f"kernels must be one of {', '.join(KERNEL_POLICIES)}, got {self.kernels!r}",
+        )
         _check(
             0.0 < self.max_memory_percent <= 1.0,
             f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}",
@@ -127,12 +130,14 @@ class StructuredSpec:
     value: Any = ""
 
     def __post_init__(self) -> None:
-        _check(self.kind in STRUCTURED_KINDS,
-               f"structured kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        _check(
+            self.kind in STRUCTURED_KINDS,
+            f"structured kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}",
+        )
         object.__setattr__(self, "value", _canonical_value(self.kind, self.value))
 
     @classmethod
-    def from_fields(cls, **fields: Any) -> "StructuredSpec | None":
+    def from_fields(cls, **fields: Any) -> StructuredSpec | None:
         """The one spec given as `json_schema=...`, `regex=...`, ... (None values ignored); None if none."""
         given = {k: v for k, v in fields.items() if v is not None and v is not False}
         unknown = sorted(set(given) - set(STRUCTURED_KINDS))
@@ -163,7 +168,10 @@ def _canonical_value(kind: str, value: Any) -> Any:
     if kind == "choice":
         _check(isinstance(value, (list, tuple)), f"choice: must be a list of strings, got {type(value).__name__}")
         _check(len(value) > 0, "choice: the list of choices is empty")
-        _check(all(isinstance(c, str) and c for c in value), f"choice: every choice must be a non-empty string, got {list(value)!r}")
+        _check(
+            all(isinstance(c, str) and c for c in value),
+            f"choice: every choice must be a non-empty string, got {list(value)!r}",
+        )
         return tuple(value)
     _check(isinstance(value, str) and value != "", f"{kind}: must be a non-empty string, got {value!r}")
     return value
@@ -213,25 +221,41 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first field out of range."""
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0, f"temperature must be a number >= 0, got {self.temperature!r}")
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            f"temperature must be a number >= 0, got {self.temperature!r}",
+        )
         _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
-        _check(all(_is_int(t) for t in self.stop_token_ids), f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        _check(
+            all(_is_int(t) for t in self.stop_token_ids),
+            f"stop_token_ids must be integers, got {self.stop_token_ids!r}",
+        )
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _check(_is_int(self.top_logprobs) and self.top_logprobs >= 0, f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}")
-        _check(self.structured is None or isinstance(self.structured, StructuredSpec),
-               f"structured must be a StructuredSpec or a dict, got {type(self.structured).__name__}")
-        _check(isinstance(self.masked_logprobs, bool), f"masked_logprobs must be a boolean, got {self.masked_logprobs!r}")
+        _check(
+            _is_int(self.top_logprobs) and self.top_logprobs >= 0,
+            f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}",
+        )
+        _check(
+            self.structured is None or isinstance(self.structured, StructuredSpec),
+            f"structured must be a StructuredSpec or a dict, got {type(self.structured).__name__}",
+        )
+        _check(
+            isinstance(self.masked_logprobs, bool), f"masked_logprobs must be a boolean, got {self.masked_logprobs!r}"
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    def with_(self, **changes) -> "SamplingParams":
+    def with_(self, **changes) -> SamplingParams:
         """A copy with some fields replaced (validated again)."""
         return replace(self, **changes)
 

@@ -25,9 +25,9 @@ from cbrun.engine.model_spec import ModelSpec, default_device, read_model_spec
 from cbrun.engine.offload import make_preemptor
 from cbrun.engine.request import Request, RequestStatus
 from cbrun.engine.runner import ModelRunner
+from cbrun.engine.scheduler import Scheduler
 from cbrun.engine.scoring import ScoredRows
 from cbrun.engine.sizing import choose_num_blocks
-from cbrun.engine.scheduler import Scheduler
 from cbrun.engine.weights import WeightStash, give_back_memory, load_into
 
 log = logging.getLogger("cbrun.engine")
@@ -59,11 +59,13 @@ class EngineCore:
         model.set_attn_implementation(register_attention())
         model.eval()
         self.model = model
-        num_blocks = config.num_blocks or choose_num_blocks(
-            self.spec, config, self.device, model.config.hidden_size)
+        num_blocks = config.num_blocks or choose_num_blocks(self.spec, config, self.device, model.config.hidden_size)
         self.cache = KVCacheManager(
-            num_blocks, config.page_size, sliding_window=self.spec.sliding_window,
-            has_full_layers=self.spec.has_full_layers, allow_block_sharing=config.allow_block_sharing,
+            num_blocks,
+            config.page_size,
+            sliding_window=self.spec.sliding_window,
+            has_full_layers=self.spec.has_full_layers,
+            allow_block_sharing=config.allow_block_sharing,
         )
         if config.allow_block_sharing and not self.cache.sharing:
             log.info("prefix caching is off: the model has sliding-window layers")
@@ -74,9 +76,18 @@ class EngineCore:
             self.cache.pool.touched = prefault
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
-        self.backend = choose_backend(model, config.backend, self.spec, config.kernels)  # kernels, linears, attention, sampler
-        self.builder = BatchBuilder(self.cache, self.store, self.spec.layer_groups, config.page_size,
-                                    self.spec.sliding_window, self.device, self.backend)
+        self.backend = choose_backend(
+            model, config.backend, self.spec, config.kernels
+        )  # kernels, linears, attention, sampler
+        self.builder = BatchBuilder(
+            self.cache,
+            self.store,
+            self.spec.layer_groups,
+            config.page_size,
+            self.spec.sliding_window,
+            self.device,
+            self.backend,
+        )
         self.runner = ModelRunner(model, self.backend)
         self.detok = Detokenizer(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self.spec.vocab_size)  # structured outputs, one compile per spec
@@ -84,8 +95,13 @@ class EngineCore:
         self._stats = StatsSnapshot(blocks_total=num_blocks)
         self._started = time.perf_counter()
         self._stash: WeightStash | None = None  # the weights while asleep at level 2
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, config.page_size,
-                 self.store.nbytes / 2**30, self.spec.kv.dtype)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
+            num_blocks,
+            config.page_size,
+            self.store.nbytes / 2**30,
+            self.spec.kv.dtype,
+        )
 
     def close(self) -> None:
         """Give the model back as it came, apart from its attention implementation."""
@@ -106,12 +122,16 @@ class EngineCore:
             return f"token id {bad!r} is outside the vocabulary (0..{self.spec.vocab_size - 1})"
         total = len(prompt_ids) + max_tokens
         if total > self.spec.max_context:
-            return (f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                    f"the model's context of {self.spec.max_context} tokens")
+            return (
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {self.spec.max_context} tokens"
+            )
         needed = self.cache.max_blocks_for(len(prompt_ids) + 1)
         if needed > self.cache.pool.num_blocks:
-            return (f"prompt needs {needed} KV-cache blocks but the whole cache has "
-                    f"{self.cache.pool.num_blocks}; raise num_blocks or shorten the prompt")
+            return (
+                f"prompt needs {needed} KV-cache blocks but the whole cache has "
+                f"{self.cache.pool.num_blocks}; raise num_blocks or shorten the prompt"
+            )
         return None
 
     def validate_score(self, prompt_ids: list[int], completion_ids: list[int]) -> str | None:
@@ -124,8 +144,10 @@ class EngineCore:
         error = self.validate(prompt_ids, len(completion_ids))
         needed = self.cache.max_blocks_for(len(prompt_ids) + len(completion_ids) - 1)
         if error is None and needed > self.cache.pool.num_blocks:
-            error = (f"prompt plus completion need {needed} KV-cache blocks but the whole cache has "
-                     f"{self.cache.pool.num_blocks}; raise num_blocks or shorten them")
+            error = (
+                f"prompt plus completion need {needed} KV-cache blocks but the whole cache has "
+                f"{self.cache.pool.num_blocks}; raise num_blocks or shorten them"
+            )
         return error
 
     def check_structured(self, spec) -> str | None:
@@ -188,12 +210,14 @@ class EngineCore:
 
     def _score(self, batch, step) -> ScoredRows:
         """Logprobs of every kept position's next token, one `SCORE_CHUNK` of rows at a time."""
-        targets = torch.tensor([request.score_target(p) for request, first, count in batch.scored
-                                for p in range(first, first + count)], dtype=torch.long)  # [S]
+        targets = torch.tensor(
+            [request.score_target(p) for request, first, count in batch.scored for p in range(first, first + count)],
+            dtype=torch.long,
+        )  # [S]
         top_k = max(request.score.top_logprobs for request, _, _ in batch.scored)
         total = ScoredRows([], [], [] if top_k else None)
         for start, logits in self.runner.score_chunks(step):  # [c, V]
-            part = self.backend.score(logits, targets[start:start + logits.shape[0]], top_k)
+            part = self.backend.score(logits, targets[start : start + logits.shape[0]], top_k)
             total.logprobs += part.logprobs
             total.greedy += part.greedy
             if top_k:
@@ -213,7 +237,7 @@ class EngineCore:
                 request.logprobs.append(scored.logprobs[index])
                 request.is_greedy &= scored.greedy[index]
                 if request.top_logprobs is not None:
-                    request.top_logprobs.append(scored.top[index][:request.score.top_logprobs])
+                    request.top_logprobs.append(scored.top[index][: request.score.top_logprobs])
             row += count
             self._stats.scored_tokens += count
         for request, _, _ in spans:
@@ -228,7 +252,9 @@ class EngineCore:
             if request.score is not None:  # every token of a scoring request is input
                 self._stats.computed_prompt_tokens += count
             elif request.num_computed_tokens < request.num_prompt_tokens:
-                self._stats.computed_prompt_tokens += min(count, request.num_prompt_tokens - request.num_computed_tokens)
+                self._stats.computed_prompt_tokens += min(
+                    count, request.num_prompt_tokens - request.num_computed_tokens
+                )
             request.num_computed_tokens += count
             self.cache.commit(request.key, request.all_token_ids, request.num_computed_tokens)
             request.status = RequestStatus.PREFILLING if request.is_prefilling else RequestStatus.DECODING
@@ -278,8 +304,11 @@ class EngineCore:
         request.error = error
         request.finish_time = time.perf_counter()
         request.text = self.detok.final_text(request) if request.num_generated and request.score is None else ""
-        counter = {RequestStatus.FINISHED: "finished", RequestStatus.FAILED: "failed",
-                   RequestStatus.CANCELLED: "cancelled"}[status]
+        counter = {
+            RequestStatus.FINISHED: "finished",
+            RequestStatus.FAILED: "failed",
+            RequestStatus.CANCELLED: "cancelled",
+        }[status]
         setattr(self._stats, counter, getattr(self._stats, counter) + 1)
 
     # -- weights and memory between rollouts ----------------------------------
@@ -379,4 +408,3 @@ class EngineCore:
         snap.offloads, snap.restores, snap.soft_resets = counters.offloads, counters.restores, counters.soft_resets
         snap.elapsed_s = time.perf_counter() - self._started
         return snap
-

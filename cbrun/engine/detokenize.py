@@ -28,7 +28,7 @@ class Detokenizer:
         if not stops:
             return False
         longest = max(len(s) for s in stops)
-        tail = self.decode(request.generated_token_ids[-(longest + _TAIL_SLACK):])
+        tail = self.decode(request.generated_token_ids[-(longest + _TAIL_SLACK) :])
         return any(s in tail for s in stops)
 
     def final_text(self, request: Request) -> str:
@@ -44,6 +44,6 @@ class Detokenizer:
             return ""
         if not text.startswith(request.stream_text):
             return ""  # a re-tokenized boundary changed earlier text; send the rest at the end
-        delta = text[len(request.stream_text):]
+        delta = text[len(request.stream_text) :]
         request.stream_text = text
         return delta

@@ -63,10 +63,10 @@ def _send(tensors: list[torch.Tensor], device: torch.device) -> dict[int, torch.
             offsets.append(offsets[-1] + -(-tensor.numel() // align) * align)
         host = torch.empty(offsets[-1], dtype=dtype, pin_memory=device.type == "cuda")  # [total]
         for tensor, offset in zip(group, offsets):
-            host[offset: offset + tensor.numel()].copy_(tensor.reshape(-1))
+            host[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
         remote = host.to(device, non_blocking=True)  # [total]
         for tensor, offset in zip(group, offsets):
-            moved[id(tensor)] = remote[offset: offset + tensor.numel()].view(tensor.shape)
+            moved[id(tensor)] = remote[offset : offset + tensor.numel()].view(tensor.shape)
     return moved
 
 
@@ -74,8 +74,11 @@ def _rebuild(value, moved: dict[int, torch.Tensor]):
     if isinstance(value, torch.Tensor):
         return moved.get(id(value), value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: _rebuild(getattr(value, f.name), moved) for f in dataclasses.fields(value)
-                   if f.init and f.metadata.get("device_copy", True)}
+        changes = {
+            f.name: _rebuild(getattr(value, f.name), moved)
+            for f in dataclasses.fields(value)
+            if f.init and f.metadata.get("device_copy", True)
+        }
         return dataclasses.replace(value, **changes)
     if isinstance(value, tuple):
         return tuple(_rebuild(item, moved) for item in value)

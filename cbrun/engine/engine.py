@@ -16,7 +16,7 @@ import queue
 import secrets
 import threading
 from collections import deque
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
 from cbrun.engine.core import EngineCore, StepOutcome
@@ -54,15 +54,24 @@ class Engine:
         self._thread.start()
 
     # -- submitting ---------------------------------------------------------
-    def add_request(self, prompt: Prompt, sampling: SamplingParams | dict | None = None,
-                    request_id: str | None = None, *, stream: bool = False) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | dict | None = None,
+        request_id: str | None = None,
+        *,
+        stream: bool = False,
+    ) -> str:
         """Queue one prompt (text or token ids); returns its id. Never raises for a bad request:
         it finishes with finish_reason "error" and a message instead."""
         return self._submit([(prompt, sampling, request_id)], stream)[0]
 
-    def add_requests(self, prompts: Sequence[Prompt],
-                     sampling: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
-                     request_ids: Sequence[str] | None = None) -> list[str]:
+    def add_requests(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[str]:
         """Queue many prompts, submitted in token-id order so shared prefixes hit the cache.
 
         `sampling` is one value for all prompts or a sequence with one per prompt.
@@ -127,9 +136,16 @@ class Engine:
                 self._inbox.append(request)
 
     # -- scoring ------------------------------------------------------------
-    def add_score_request(self, prompt: Prompt, completions: Sequence[Sequence[int]], request_id: str | None = None,
-                          *, samples: Sequence[int] | None = None, prompt_logprobs: bool = False,
-                          top_logprobs: int = 0) -> str:
+    def add_score_request(
+        self,
+        prompt: Prompt,
+        completions: Sequence[Sequence[int]],
+        request_id: str | None = None,
+        *,
+        samples: Sequence[int] | None = None,
+        prompt_logprobs: bool = False,
+        top_logprobs: int = 0,
+    ) -> str:
         """Queue teacher-forced scoring of token-id completions after one prompt; returns the id.
 
         Each completion is a result of its own (sample `samples[i]`, default i),
@@ -142,16 +158,24 @@ class Engine:
         self._submit_score([self._prepare_score(prompt, completions, rid, samples, prompt_logprobs, top_logprobs)])
         return rid
 
-    def score_batch(self, prompts: Sequence[Prompt], completions: Sequence[Sequence[Sequence[int]]], *,
-                    prompt_logprobs: bool = False, top_logprobs: int = 0) -> list[GenerationOutput]:
+    def score_batch(
+        self,
+        prompts: Sequence[Prompt],
+        completions: Sequence[Sequence[Sequence[int]]],
+        *,
+        prompt_logprobs: bool = False,
+        top_logprobs: int = 0,
+    ) -> list[GenerationOutput]:
         """Blocking: score completions[i] (a list of token-id lists) after prompts[i]; results in
         input order, the completions of one prompt adjacent. All requests arrive in one step's
         inbox, prefix-sorted, as `add_requests` submits them."""
         if len(prompts) != len(completions):
             raise ValueError("completions must have one list per prompt")
         ids = [f"score-{next(self._ids)}" for _ in prompts]
-        groups = [self._prepare_score(prompt, group, rid, None, prompt_logprobs, top_logprobs)
-                  for rid, prompt, group in zip(ids, prompts, completions)]
+        groups = [
+            self._prepare_score(prompt, group, rid, None, prompt_logprobs, top_logprobs)
+            for rid, prompt, group in zip(ids, prompts, completions)
+        ]
         self._submit_score(sorted(groups, key=lambda group: group[0].all_token_ids if group else []))
         outputs = []
         for rid, group in zip(ids, completions):
@@ -159,8 +183,9 @@ class Engine:
             outputs.extend(sorted(samples, key=lambda o: o.sample_index))
         return outputs
 
-    def _prepare_score(self, prompt, completions, rid: str, samples, prompt_logprobs: bool,
-                       top_logprobs: int) -> list[Request]:
+    def _prepare_score(
+        self, prompt, completions, rid: str, samples, prompt_logprobs: bool, top_logprobs: int
+    ) -> list[Request]:
         """Tokenize and validate outside the lock: one scoring Request per completion."""
         samples = list(samples) if samples is not None else list(range(len(completions)))
         if len(samples) != len(completions) or len(set(samples)) != len(samples):
@@ -237,8 +262,9 @@ class Engine:
 
     def _publish(self, outcome: StepOutcome) -> None:
         for event in outcome.tokens:
-            chunk = StreamChunk(event.request.request_id, event.request.sample_index, event.token_id,
-                                event.logprob, event.text)
+            chunk = StreamChunk(
+                event.request.request_id, event.request.sample_index, event.token_id, event.logprob, event.text
+            )
             self._streams[event.request.request_id][0].put(chunk)
         for request in outcome.finished:
             self._deliver_finished(request)
@@ -247,10 +273,18 @@ class Engine:
         output = request.to_output()
         if request.stream:
             sent = request.stream_text
-            tail = output.text[len(sent):] if output.text.startswith(sent) else ""
-            self._streams[request.request_id][0].put(StreamChunk(
-                request.request_id, request.sample_index, None, None, tail,
-                finish_reason=output.finish_reason, error=output.error))
+            tail = output.text[len(sent) :] if output.text.startswith(sent) else ""
+            self._streams[request.request_id][0].put(
+                StreamChunk(
+                    request.request_id,
+                    request.sample_index,
+                    None,
+                    None,
+                    tail,
+                    finish_reason=output.finish_reason,
+                    error=output.error,
+                )
+            )
         self._results.put(output)
 
     # -- results --------------------------------------------------------------
@@ -278,8 +312,12 @@ class Engine:
             yield chunk
         self._streams.pop(request_id, None)
 
-    def generate_batch(self, prompts: Sequence[Prompt], sampling: SamplingParams | dict | None = None,
-                       request_ids: Sequence[str] | None = None) -> list[GenerationOutput]:
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams | dict | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[GenerationOutput]:
         """Blocking: results in input order, samples of one prompt adjacent (len = prompts x n)."""
         ids = request_ids or [f"batch-{next(self._ids)}" for _ in prompts]
         self.add_requests(prompts, sampling, ids)
@@ -318,9 +356,11 @@ class Engine:
         methods = getattr(self.core.backend, "method_choices", None)
         if not methods:
             return self.core.backend.name
-        return "; ".join(f"{str(c.dtype).removeprefix('torch.')} {c.method.name if c.method else 'none'}"
-                         f" ({'same bits on every CPU' if c.method and c.method.portable else 'this CPU only'})"
-                         for c in methods)
+        return "; ".join(
+            f"{str(c.dtype).removeprefix('torch.')} {c.method.name if c.method else 'none'}"
+            f" ({'same bits on every CPU' if c.method and c.method.portable else 'this CPU only'})"
+            for c in methods
+        )
 
     # -- weights and memory between rollouts -----------------------------------
     def update_weights(self, weights: WeightSource) -> int:
@@ -381,8 +421,7 @@ class Engine:
 
     def _refuse_while_asleep(self) -> None:
         if self._asleep:
-            raise RuntimeError("engine is asleep (sleep() gave its memory back); call wake_up() before "
-                               "adding requests")
+            raise RuntimeError("engine is asleep (sleep() gave its memory back); call wake_up() before adding requests")
 
     # -- shutdown -------------------------------------------------------------
     def stop(self, hard: bool = False, timeout: float | None = None) -> None:
@@ -414,7 +453,7 @@ class Engine:
             self.core.store.data = None
             self.core.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -61,8 +61,11 @@ def grammar_text(spec: StructuredSpec) -> str:
 
 def one_line(message: str) -> str:
     """llguidance's multi-line diagnostics as one line: the source excerpts and carets dropped."""
-    kept = [line.strip() for line in message.splitlines()
-            if line.strip().strip("^").strip() and not re.match(r"\s*\d+ \|", line)]
+    kept = [
+        line.strip()
+        for line in message.splitlines()
+        if line.strip().strip("^").strip() and not re.match(r"\s*\d+ \|", line)
+    ]
     return " ".join(kept)
 
 
@@ -195,7 +198,8 @@ class MaskFiller:
 
         masks = torch.empty(len(states), self.words, dtype=torch.int32)  # [n, W]
         llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(state.matcher, row) for row, state in enumerate(states)], masks)
+            self._executor, [(state.matcher, row) for row, state in enumerate(states)], masks
+        )
         for row, state in enumerate(states):
             state.mask = masks[row]
 

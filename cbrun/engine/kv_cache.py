@@ -10,7 +10,7 @@ in `kv_store.py`, the pool in `block_pool.py`.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 from cbrun.engine.block_pool import BlockPool, chain_hash
 
@@ -80,7 +80,7 @@ class FullAttentionAllocator(_TableAllocator):
         blocks: list[int] = []
         parent = None
         for start in range(0, len(token_ids) - 1 - page + 1, page):
-            tokens = token_ids[start:start + page]
+            tokens = token_ids[start : start + page]
             block_hash = chain_hash(parent, tokens)
             block = self.pool.lookup(block_hash, tokens)
             if block is None:
@@ -103,7 +103,7 @@ class FullAttentionAllocator(_TableAllocator):
         page = self.page_size
         while len(hashes) < min(num_computed // page, len(table)):
             index = len(hashes)
-            tokens = token_ids[index * page:(index + 1) * page]
+            tokens = token_ids[index * page : (index + 1) * page]
             block_hash = chain_hash(hashes[-1] if hashes else None, tokens)
             self.pool.register(table[index], block_hash, tokens)
             hashes.append(block_hash)
@@ -119,7 +119,7 @@ class FullAttentionAllocator(_TableAllocator):
             return []
         out = []
         for begin in range(start, end - page + 1, page):
-            parent = chain_hash(parent, token_ids[begin:begin + page])
+            parent = chain_hash(parent, token_ids[begin : begin + page])
             out.append(parent)
         return out
 
@@ -191,8 +191,15 @@ class KVCacheManager:
     sharing is on only when every allocator supports it.
     """
 
-    def __init__(self, num_blocks: int, page_size: int, *, sliding_window: int | None,
-                 has_full_layers: bool, allow_block_sharing: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        page_size: int,
+        *,
+        sliding_window: int | None,
+        has_full_layers: bool,
+        allow_block_sharing: bool,
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.page_size = page_size
         self.allocators: dict[str, FullAttentionAllocator | SlidingWindowAllocator] = {}

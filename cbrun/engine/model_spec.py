@@ -87,8 +87,11 @@ def _layer_groups(config) -> tuple[tuple[str, ...], int | None]:
 def _eos_ids(model, tokenizer) -> frozenset[int]:
     """EOS ids as model.generate sees them: generation config first, then model config, then tokenizer."""
     generation = getattr(model, "generation_config", None)
-    for source in (getattr(generation, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
-                   getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
+    for source in (
+        getattr(generation, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None,
+    ):
         if isinstance(source, int):
             return frozenset([source])
         if isinstance(source, (list, tuple)) and source:

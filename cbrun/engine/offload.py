@@ -111,8 +111,12 @@ class CpuOffloadPreemptor(SoftResetPreemptor):
         if not self.cache.allocate(request.key, num_tokens):
             self.cache.free(request.key)
             return False
-        self._copy(self.swap, [s for g in groups for s in g.swap_blocks],
-                   self.store.data, [b for g in groups for b in g.pool_blocks])
+        self._copy(
+            self.swap,
+            [s for g in groups for s in g.swap_blocks],
+            self.store.data,
+            [b for g in groups for b in g.pool_blocks],
+        )
         self.discard(request)
         self.cache.commit(request.key, request.all_token_ids, request.num_computed_tokens)
         self.counters.restores += 1

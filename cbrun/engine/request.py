@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from cbrun.engine.config import SamplingParams
@@ -174,7 +173,7 @@ class Request:
 
     @property
     def generated_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_uncomputed(self) -> int:

@@ -73,4 +73,3 @@ class ResultStore:
             self._streamed.discard(request_id)
         else:
             self._expected[request_id] = left
-

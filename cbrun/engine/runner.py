@@ -72,8 +72,9 @@ class ModelRunner:
             logits = self.model(**kwargs, logits_to_keep=keep).logits[0].float()  # [N + S, V]
             return StepLogits(logits[:num_sampled], score_logits=logits[num_sampled:] if len(score_indices) else None)
         hidden = self.model.model(**kwargs).last_hidden_state[0]  # [T, hidden]
-        sampled = (self._project(hidden.index_select(0, batch.logits_indices)) if num_sampled
-                   else torch.empty(0))  # [N, V]
+        sampled = (
+            self._project(hidden.index_select(0, batch.logits_indices)) if num_sampled else torch.empty(0)
+        )  # [N, V]
         score_hidden = hidden.index_select(0, score_indices) if len(score_indices) else None  # [S, hidden]
         return StepLogits(sampled, score_hidden=score_hidden)
 
@@ -86,12 +87,12 @@ class ModelRunner:
         """
         if step.score_logits is not None:
             for start in range(0, step.score_logits.shape[0], SCORE_CHUNK):
-                yield start, step.score_logits[start:start + SCORE_CHUNK]
+                yield start, step.score_logits[start : start + SCORE_CHUNK]
             return
         if step.score_hidden is None:
             return
         for start in range(0, step.score_hidden.shape[0], SCORE_CHUNK):
-            yield start, self._project(step.score_hidden[start:start + SCORE_CHUNK])
+            yield start, self._project(step.score_hidden[start : start + SCORE_CHUNK])
 
     def _project(self, rows: torch.Tensor) -> torch.Tensor:
         """Output head: rows [n, hidden] -> fp32 logits [n, V]; the one place logits are made."""
@@ -105,6 +106,7 @@ def _plain_head(model) -> torch.nn.Linear | None:
     head = getattr(model, "lm_head", None)
     config = model.config
     configs = (config, getattr(config, "text_config", None))
-    transforms = any(getattr(c, name, None) not in (None, 1, 1.0) for c in configs if c is not None
-                     for name in _LOGIT_TRANSFORMS)
+    transforms = any(
+        getattr(c, name, None) not in (None, 1, 1.0) for c in configs if c is not None for name in _LOGIT_TRANSFORMS
+    )
     return head if type(head) is torch.nn.Linear and not transforms else None

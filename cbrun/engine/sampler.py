@@ -145,9 +145,13 @@ def _filtered(params) -> bool:
 def _sample_with_kernel(logits: torch.Tensor, requests: list[Request], kernels) -> Sampled:
     params = [r.sampling for r in requests]
     inv_temp = torch.tensor([1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
-    uniform = torch.tensor([  # [N] float64; -1 = argmax (greedy, or drawn below after filtering)
-        -1.0 if p.greedy or _filtered(p) else uniform_for(r.seed, r.sample_index, r.num_tokens)
-        for r, p in zip(requests, params)], dtype=torch.float64)
+    uniform = torch.tensor(
+        [  # [N] float64; -1 = argmax (greedy, or drawn below after filtering)
+            -1.0 if p.greedy or _filtered(p) else uniform_for(r.seed, r.sample_index, r.num_tokens)
+            for r, p in zip(requests, params)
+        ],
+        dtype=torch.float64,
+    )
     chosen, normalizer = kernels.sample(logits, inv_temp, uniform)  # [N], [N]
     filtered_rows = [i for i, p in enumerate(params) if not p.greedy and _filtered(p)]
     if filtered_rows:

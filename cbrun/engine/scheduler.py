@@ -171,8 +171,9 @@ class Scheduler:
             if request.status is not RequestStatus.OFFLOADED and request.num_computed_tokens == 0:
                 self._attach_prefix(request)
             count = min(request.num_uncomputed, budget)
-            produces = self.cache.hashes_between(request.key, request.all_token_ids,
-                                                 request.num_computed_tokens, request.num_tokens - 1)
+            produces = self.cache.hashes_between(
+                request.key, request.all_token_ids, request.num_computed_tokens, request.num_tokens - 1
+            )
             if produces and produces[0] in inflight:
                 self.cache.free(request.key)
                 request.num_computed_tokens = 0

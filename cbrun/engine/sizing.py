@@ -34,18 +34,24 @@ def step_workspace_bytes(spec: ModelSpec, config: EngineConfig, hidden_size: int
     tokens = config.max_batch_tokens
     activations = tokens * hidden_size * 16 * element  # residual, MLP intermediates, q/k/v
     logits = config.max_requests_per_batch * spec.vocab_size * 4 * 3  # fp32 logits, logprobs, cdf
-    gathered_kv = 2 * config.max_requests_per_batch * spec.max_context * spec.kv.num_kv_heads * spec.kv.head_dim * element
+    gathered_kv = (
+        2 * config.max_requests_per_batch * spec.max_context * spec.kv.num_kv_heads * spec.kv.head_dim * element
+    )
     return activations + logits + min(gathered_kv, 4 << 30)
 
 
-def choose_num_blocks(spec: ModelSpec, config: EngineConfig, device: torch.device,
-                      hidden_size: int = 4096) -> int:
+def choose_num_blocks(spec: ModelSpec, config: EngineConfig, device: torch.device, hidden_size: int = 4096) -> int:
     """Blocks that fit `max_memory_percent` of available memory after the step workspace."""
     budget = int(available_memory(device) * config.max_memory_percent)
     budget -= step_workspace_bytes(spec, config, hidden_size)
     per_block = spec.kv.bytes_per_block(config.page_size)
     blocks = max(_MIN_BLOCKS, budget // per_block)
-    log.info("cache sizing: %.2f GiB available x %.0f%% -> %d blocks of %d tokens (%.1f MiB each)",
-             available_memory(device) / 2**30, 100 * config.max_memory_percent, blocks,
-             config.page_size, per_block / 2**20)
+    log.info(
+        "cache sizing: %.2f GiB available x %.0f%% -> %d blocks of %d tokens (%.1f MiB each)",
+        available_memory(device) / 2**30,
+        100 * config.max_memory_percent,
+        blocks,
+        config.page_size,
+        per_block / 2**20,
+    )
     return int(blocks)

@@ -23,8 +23,9 @@ def write(k_pool, v_pool, key, value, slots) -> None:
     v_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, value)
 
 
-def decode(q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float,
-            softcap: float | None = None) -> torch.Tensor:
+def decode(
+    q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float, softcap: float | None = None
+) -> torch.Tensor:
     """Torch path: one query per sequence, all sequences at once: [H, B, D] -> [B, H, D]."""
     num_heads, batch, dim = q.shape
     num_kv, _, page, _ = k_pool.shape
@@ -57,13 +58,14 @@ def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if not softcap else torch.tanh(scores / softcap) * softcap
 
 
-def prefill(query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float,
-             softcap: float | None = None) -> torch.Tensor:
+def prefill(
+    query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float, softcap: float | None = None
+) -> torch.Tensor:
     """One chunk of one sequence: [1, H, q, D] against its context -> [q, H, D]."""
-    q = query[:, :, seq.start: seq.end]  # [1, H, q, D]
+    q = query[:, :, seq.start : seq.end]  # [1, H, q, D]
     if seq.new_kv_only:
-        k = key[:, :, seq.start: seq.end]  # [1, H_kv, q, D]
-        v = value[:, :, seq.start: seq.end]
+        k = key[:, :, seq.start : seq.end]  # [1, H_kv, q, D]
+        v = value[:, :, seq.start : seq.end]
     else:
         num_kv, _, _, dim = k_pool.shape
         k = k_pool.index_select(1, seq.pages).view(1, num_kv, -1, dim)  # [1, H_kv, L, D]
@@ -71,7 +73,13 @@ def prefill(query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float,
     if softcap:
         return _capped_attention(q[0], k[0], v[0], seq.mask, scale, softcap)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True,
+        q,
+        k,
+        v,
+        attn_mask=seq.mask,
+        is_causal=seq.mask is None,
+        scale=scale,
+        enable_gqa=True,
     )  # [1, H, q, D]
     return out[0].transpose(0, 1)
 

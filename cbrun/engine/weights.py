@@ -36,10 +36,16 @@ def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
     pairs = source.items() if isinstance(source, Mapping) else source
     out = {}
     for entry in pairs:
-        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
-                and isinstance(entry[1], torch.Tensor)):
-            raise TypeError("weights must map parameter names to tensors (a state dict or (name, tensor) pairs), "
-                            f"got an entry {type(entry).__name__}")
+        if not (
+            isinstance(entry, tuple)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], torch.Tensor)
+        ):
+            raise TypeError(
+                "weights must map parameter names to tensors (a state dict or (name, tensor) pairs), "
+                f"got an entry {type(entry).__name__}"
+            )
         out[entry[0]] = entry[1]
     return out
 
@@ -76,8 +82,9 @@ def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> in
         raise KeyError(f"not a weight of this model: {shown} (names are those of model.state_dict())")
     for name, value in tensors.items():
         if tuple(value.shape) != tuple(targets[name].shape):
-            raise ValueError(f"{name}: shape {tuple(value.shape)} does not match the model's "
-                             f"{tuple(targets[name].shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(value.shape)} does not match the model's {tuple(targets[name].shape)}"
+            )
     with torch.no_grad():
         for name, value in tensors.items():
             targets[name].copy_(value)  # converts dtype and device

@@ -4,5 +4,13 @@ from cbrun.llm.llm import LLM
 from cbrun.llm.outputs import CompletionOutput, Logprob, RequestOutput
 from cbrun.llm.params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams, UnsupportedFieldError
 
-__all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "Logprob", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams", "UnsupportedFieldError"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "GuidedDecodingParams",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "UnsupportedFieldError",
+]

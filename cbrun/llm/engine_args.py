@@ -47,8 +47,13 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 }
 
 # accepted because cbrun always behaves as they ask (no CUDA graphs, no sleep-mode allocator needed)
-ALWAYS_TRUE_OF_CBRUN = ("enforce_eager", "enable_sleep_mode", "disable_log_stats", "max_seq_len_to_capture",
-                        "disable_custom_all_reduce")
+ALWAYS_TRUE_OF_CBRUN = (
+    "enforce_eager",
+    "enable_sleep_mode",
+    "disable_log_stats",
+    "max_seq_len_to_capture",
+    "disable_custom_all_reduce",
+)
 
 
 def engine_config(base: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:

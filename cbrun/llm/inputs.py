@@ -35,16 +35,22 @@ def _parse(index: int, prompt: Any) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         return prompt, None
     if not isinstance(prompt, dict):
-        raise TypeError(f"prompt {index}: expected a string or a dict with 'prompt' or 'prompt_token_ids', "
-                        f"got {type(prompt).__name__}")
+        raise TypeError(
+            f"prompt {index}: expected a string or a dict with 'prompt' or 'prompt_token_ids', "
+            f"got {type(prompt).__name__}"
+        )
     extra = set(prompt) - {"prompt", "prompt_token_ids"}
     if extra:
-        raise UnsupportedFieldError(f"prompt {index}: {', '.join(sorted(extra))} not supported by cbrun "
-                                    "(text and token-id prompts only)")
+        raise UnsupportedFieldError(
+            f"prompt {index}: {', '.join(sorted(extra))} not supported by cbrun (text and token-id prompts only)"
+        )
     if "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if (
+            not isinstance(ids, Sequence)
+            or isinstance(ids, str)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        ):
             raise TypeError(f"prompt {index}: prompt_token_ids must be a list of integers")
         return prompt.get("prompt"), list(ids)
     if isinstance(prompt.get("prompt"), str):

@@ -45,10 +45,20 @@ class LLM:
     gpu_memory_utilization, ...) are translated onto it (engine_args.py).
     """
 
-    def __init__(self, model: str, tokenizer: str | None = None, *, dtype: Any = "auto", seed: int | None = 0,
-                 revision: str | None = None, tokenizer_revision: str | None = None,
-                 max_model_len: int | None = None, device: str = "auto",
-                 engine_config: EngineConfig | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        *,
+        dtype: Any = "auto",
+        seed: int | None = 0,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        max_model_len: int | None = None,
+        device: str = "auto",
+        engine_config: EngineConfig | None = None,
+        **options: Any,
+    ) -> None:
         from cbrun.models import load_model
 
         config = translate_options(engine_config, options)  # bad options fail before the model loads
@@ -65,21 +75,35 @@ class LLM:
         self._out = OutputBuilder(tok, self.engine.core.spec.eos_token_ids)
 
     # -- generation ------------------------------------------------------------
-    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: Any = True, lora_request: Any = None, priority: Any = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
+        priority: Any = None,
+    ) -> list[RequestOutput]:
         """Complete each prompt (text, {"prompt": ...}, {"prompt_token_ids": [...]}, or a list of them);
         one RequestOutput per prompt, in input order."""
         _refuse("lora_request", lora_request)
         _refuse("priority", priority)
         prompts = as_prompt_list(prompts)
-        return self._run(encode_prompts(prompts, self.tokenizer), per_prompt(sampling_params, len(prompts)),
-                         use_tqdm)
+        return self._run(encode_prompts(prompts, self.tokenizer), per_prompt(sampling_params, len(prompts)), use_tqdm)
 
-    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: Any = True, lora_request: Any = None, chat_template: str | None = None,
-             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, mm_processor_kwargs: Any = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: Any = None,
+    ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to a list of conversations.
 
         Message contents may be strings or OpenAI lists of parts (text parts are joined, media refused).
@@ -87,19 +111,30 @@ class LLM:
         _refuse("lora_request", lora_request)
         _refuse("mm_processor_kwargs", mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
-            raise UnsupportedFieldError("chat(chat_template_content_format=...) is not supported by cbrun: "
-                                        "contents are flattened to strings ('auto' or 'string')")
+            raise UnsupportedFieldError(
+                "chat(chat_template_content_format=...) is not supported by cbrun: "
+                "contents are flattened to strings ('auto' or 'string')"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        texts = [self.tokenizer.apply_chat_template(
-            flatten_messages(list(conversation)), tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
-            **(chat_template_kwargs or {})) for conversation in conversations]
+        texts = [
+            self.tokenizer.apply_chat_template(
+                flatten_messages(list(conversation)),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template=chat_template,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
         encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template holds them
         items = [(text, list(ids)) for text, ids in zip(texts, encoded)]
         return self._run(items, per_prompt(sampling_params, len(items)), use_tqdm)
 
-    def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-             use_tqdm: Any) -> list[RequestOutput]:
+    def _run(
+        self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: Any
+    ) -> list[RequestOutput]:
         rids = [str(next(self._ids)) for _ in items]
         engine_params = [self._engine_params(index, ids, p) for index, ((_, ids), p) in enumerate(zip(items, params))]
         self.engine.add_requests([ids for _, ids in items], engine_params, rids)
@@ -111,14 +146,18 @@ class LLM:
                 scored[rid] = None
         samples = self._collect(rids, params, scored, use_tqdm)
         raw = self._raw_logprobs(rids, items, params, samples)
-        return [self._request_output(rid, text, ids, p, samples[rid], scored.get(rid), raw)
-                for rid, (text, ids), p in zip(rids, items, params)]
+        return [
+            self._request_output(rid, text, ids, p, samples[rid], scored.get(rid), raw)
+            for rid, (text, ids), p in zip(rids, items, params)
+        ]
 
     def _engine_params(self, index: int, ids: list[int], params: SamplingParams):
         room = self.max_model_len - len(ids)
         if room < 1:
-            raise ValueError(f"prompt {index}: {len(ids)} tokens leave no room for a completion under "
-                             f"max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"prompt {index}: {len(ids)} tokens leave no room for a completion under "
+                f"max_model_len {self.max_model_len}"
+            )
         seed = self._seeds.randrange(2**63) if self._seeds is not None and params.seed is None else None
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return params.to_engine(max_tokens, self.engine.vocab_size, seed)
@@ -133,34 +172,47 @@ class LLM:
                 out = self.engine.get_result(timeout=None)
                 left -= 1
                 if out.request_id.endswith("/prompt"):
-                    scored[out.request_id[:-len("/prompt")]] = out
+                    scored[out.request_id[: -len("/prompt")]] = out
                     continue
                 samples[out.request_id].append(out)
                 if len(samples[out.request_id]) == wanted[out.request_id]:
                     progress.advance()
-        errors = [(i, o) for i, rid in enumerate(rids) for o in samples[rid] + [scored.get(rid)]
-                  if o is not None and o.error is not None]
+        errors = [
+            (i, o)
+            for i, rid in enumerate(rids)
+            for o in samples[rid] + [scored.get(rid)]
+            if o is not None and o.error is not None
+        ]
         if errors:
             index, out = errors[0]
-            raise ValueError(f"prompt {index}: {out.error}" + (f" (and {len(errors) - 1} more errors)"
-                                                               if len(errors) > 1 else ""))
+            raise ValueError(
+                f"prompt {index}: {out.error}" + (f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else "")
+            )
         return {rid: sorted(samples[rid], key=lambda o: o.sample_index) for rid in rids}
 
     def _raw_logprobs(self, rids, items, params, samples) -> dict:
         """(rid, sample) -> teacher-forced logprobs at temperature 1 for samples drawn at another
         temperature: vLLM reports raw logprobs, the engine the tempered ones it drew from."""
-        todo = [(rid, ids, p) for rid, (_, ids), p in zip(rids, items, params)
-                if p.logprobs is not None and not p.greedy and p.temperature != 1.0]
+        todo = [
+            (rid, ids, p)
+            for rid, (_, ids), p in zip(rids, items, params)
+            if p.logprobs is not None and not p.greedy and p.temperature != 1.0
+        ]
         for rid, ids, p in todo:
             completions = [o.token_ids for o in samples[rid]]
-            self.engine.add_score_request(ids, completions, f"{rid}/raw", samples=[o.sample_index for o in samples[rid]],
-                                          top_logprobs=_count(p.logprobs, self.engine.vocab_size))
+            self.engine.add_score_request(
+                ids,
+                completions,
+                f"{rid}/raw",
+                samples=[o.sample_index for o in samples[rid]],
+                top_logprobs=_count(p.logprobs, self.engine.vocab_size),
+            )
         raw = {}
         for _ in range(sum(p.n for _, _, p in todo)):
             out = self.engine.get_result(timeout=None)
             if out.error is not None:
                 raise ValueError(f"rescoring {out.request_id}: {out.error}")
-            raw[(out.request_id[:-len("/raw")], out.sample_index)] = out
+            raw[(out.request_id[: -len("/raw")], out.sample_index)] = out
         return raw
 
     def _request_output(self, rid, text, ids, params, samples, prompt_scored, raw) -> RequestOutput:
@@ -169,8 +221,14 @@ class LLM:
             again = raw.get((rid, out.sample_index))
             outputs.append(self._out.completion(out, params, again and again.logprobs, again and again.top_logprobs))
         prompt_logprobs = self._out.prompt_logprobs(ids, prompt_scored) if params.prompt_logprobs is not None else None
-        return RequestOutput(rid, text, list(ids), prompt_logprobs, outputs,
-                             num_cached_tokens=min((o.num_cached_tokens for o in samples), default=0))
+        return RequestOutput(
+            rid,
+            text,
+            list(ids),
+            prompt_logprobs,
+            outputs,
+            num_cached_tokens=min((o.num_cached_tokens for o in samples), default=0),
+        )
 
     # -- between rollouts -------------------------------------------------------
     def update_weights(self, weights: WeightSource) -> int:
@@ -198,7 +256,7 @@ class LLM:
         self.engine.stop()
         self.engine.destroy()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -64,16 +64,23 @@ class OutputBuilder:
         self.eos = set(eos_token_ids)
         self._pieces: dict[int, str] = {}
 
-    def completion(self, out: GenerationOutput, params: SamplingParams, logprobs: list[float] | None = None,
-                   top: list[list[tuple[int, float]]] | None = None) -> CompletionOutput:
+    def completion(
+        self,
+        out: GenerationOutput,
+        params: SamplingParams,
+        logprobs: list[float] | None = None,
+        top: list[list[tuple[int, float]]] | None = None,
+    ) -> CompletionOutput:
         """One CompletionOutput; `logprobs`/`top` replace the engine's (raw logprobs rescored)."""
         logprobs = out.logprobs if logprobs is None else logprobs
         top = out.top_logprobs if top is None else top
         positions = None
         if params.logprobs is not None:
             argmax = params.greedy and params.constraint is None  # a constraint's pick need not be the raw argmax
-            positions = [self.position(token, lp, (top or [])[i] if top else [], argmax)
-                         for i, (token, lp) in enumerate(zip(out.token_ids, logprobs))]
+            positions = [
+                self.position(token, lp, (top or [])[i] if top else [], argmax)
+                for i, (token, lp) in enumerate(zip(out.token_ids, logprobs))
+            ]
         return CompletionOutput(
             index=out.sample_index,
             text=self.text(out, params),
@@ -84,8 +91,9 @@ class OutputBuilder:
             stop_reason=self.stop_reason(out, params),
         )
 
-    def position(self, token: int, logprob: float, alternatives: list[tuple[int, float]],
-                 greedy: bool = False) -> PositionLogprobs:
+    def position(
+        self, token: int, logprob: float, alternatives: list[tuple[int, float]], greedy: bool = False
+    ) -> PositionLogprobs:
         """{token: Logprob, alternative: Logprob, ...}; the token's rank is known when it is among the
         alternatives or was chosen greedily, else None."""
         ranks = {alt: rank for rank, (alt, _) in enumerate(alternatives, start=1)}
@@ -113,7 +121,7 @@ class OutputBuilder:
         hits = [(text.find(s), s) for s in params.stop if s in text]
         if hits and out.finish_reason == "stop":
             at, stop = min(hits)
-            text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
+            text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
         return text
 
     def stop_reason(self, out: GenerationOutput, params: SamplingParams) -> int | str | None:

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from cbrun.engine.config import SamplingParams as EngineSampling
-from cbrun.engine.config import StructuredSpec
+from cbrun.engine.config import SamplingParams as EngineSampling, StructuredSpec
 
 _SAMPLING_EPS = 1e-5  # vLLM: a temperature below this is greedy
 
@@ -55,15 +54,27 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
-        for name, neutral in (("backend", None), ("whitespace_pattern", None), ("structural_tag", None),
-                              ("disable_any_whitespace", False), ("disable_additional_properties", False)):
+        for name, neutral in (
+            ("backend", None),
+            ("whitespace_pattern", None),
+            ("structural_tag", None),
+            ("disable_any_whitespace", False),
+            ("disable_additional_properties", False),
+        ):
             if getattr(self, name) != neutral:
-                raise UnsupportedFieldError(f"StructuredOutputsParams.{name} is not supported by cbrun "
-                                            f"(its grammar engine is llguidance, as configured); leave it at {neutral!r}")
+                raise UnsupportedFieldError(
+                    f"StructuredOutputsParams.{name} is not supported by cbrun "
+                    f"(its grammar engine is llguidance, as configured); leave it at {neutral!r}"
+                )
 
     def to_spec(self) -> StructuredSpec | None:
-        return StructuredSpec.from_fields(json_schema=self.json, regex=self.regex, choice=self.choice,
-                                          grammar=self.grammar, json_object=self.json_object)
+        return StructuredSpec.from_fields(
+            json_schema=self.json,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=self.json_object,
+        )
 
 
 GuidedDecodingParams = StructuredOutputsParams
@@ -125,13 +136,15 @@ class SamplingParams:
             self.best_of = None  # vLLM's own default: best_of = n
         for name, (neutral, why) in UNSUPPORTED.items():
             if getattr(self, name) != neutral:
-                raise UnsupportedFieldError(f"SamplingParams.{name} is not supported by cbrun ({why}); "
-                                            f"leave it at {neutral!r}")
+                raise UnsupportedFieldError(
+                    f"SamplingParams.{name} is not supported by cbrun ({why}); leave it at {neutral!r}"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < -1):
-                raise ValueError(f"SamplingParams.{name} must be None, -1 (whole vocabulary) or an integer >= 0, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"SamplingParams.{name} must be None, -1 (whole vocabulary) or an integer >= 0, got {value!r}"
+                )
         if self.structured_outputs is not None and self.guided_decoding is not None:
             raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
         for name in ("structured_outputs", "guided_decoding"):
@@ -139,8 +152,9 @@ class SamplingParams:
             if isinstance(value, dict):
                 setattr(self, name, StructuredOutputsParams(**value))
             elif value is not None and not isinstance(value, StructuredOutputsParams):
-                raise TypeError(f"SamplingParams.{name} must be cbrun.StructuredOutputsParams or a dict, "
-                                f"got {type(value).__name__}")
+                raise TypeError(
+                    f"SamplingParams.{name} must be cbrun.StructuredOutputsParams or a dict, got {type(value).__name__}"
+                )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"SamplingParams.max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
         self.to_engine(max_tokens=1, vocab_size=1)  # the engine's own checks, named by field
@@ -170,7 +184,7 @@ class SamplingParams:
     def constraint(self) -> StructuredOutputsParams | None:
         return self.structured_outputs or self.guided_decoding
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 

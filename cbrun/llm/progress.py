@@ -22,8 +22,9 @@ class PromptProgress:
         elif use_tqdm and total and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._rich = Progress(TextColumn("Processed prompts"), BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), transient=False)
+            self._rich = Progress(
+                TextColumn("Processed prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False
+            )
             self._task = self._rich.add_task("prompts", total=total)
             self._rich.start()
 
@@ -33,7 +34,7 @@ class PromptProgress:
         elif self._rich is not None:
             self._rich.advance(self._task)
 
-    def __enter__(self) -> "PromptProgress":
+    def __enter__(self) -> PromptProgress:
         return self
 
     def __exit__(self, *exc) -> None:

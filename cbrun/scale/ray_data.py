@@ -36,8 +36,7 @@ from cbrun.data.schema import CbrunFormat
 
 ROW, RECORD, ERROR, LINE = "__cbrun_row", "__cbrun_record", "__cbrun_error", "__cbrun_line"
 RAW_COLUMNS = (ROW, RECORD, ERROR, LINE)
-NO_ID = ("id: missing: rows of a Ray dataset have no row numbers, so each needs an 'id' "
-         "(or 'custom_id') column")
+NO_ID = "id: missing: rows of a Ray dataset have no row numbers, so each needs an 'id' (or 'custom_id') column"
 
 
 class CbrunGenerator:
@@ -51,10 +50,23 @@ class CbrunGenerator:
     logprobs, top_logprobs, prompt_token_ids, keep_columns, prompt_column, chat, revision: as the CLI flags.
     """
 
-    def __init__(self, model: str = "smollm2-135m", *, sampling: dict | None = None, engine: dict | None = None,
-                 dtype: str = "auto", device: str = "auto", threads: int | None = None, logprobs: bool = False,
-                 top_logprobs: int = 0, prompt_token_ids: bool = False, keep_columns: tuple[str, ...] = (),
-                 prompt_column: str | None = None, chat: bool = False, revision: str | None = None):
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        *,
+        sampling: dict | None = None,
+        engine: dict | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        threads: int | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        prompt_token_ids: bool = False,
+        keep_columns: tuple[str, ...] = (),
+        prompt_column: str | None = None,
+        chat: bool = False,
+        revision: str | None = None,
+    ):
         import torch
 
         from cbrun.engine import Engine, EngineConfig, SamplingParams
@@ -64,21 +76,31 @@ class CbrunGenerator:
             torch.set_num_threads(threads)
         _quiet_loading()
         self._model, self._tokenizer = load_model(model, dtype=dtype, device=device, revision=revision)
-        self.sampling = SamplingParams(**{**(sampling or {}), **({"top_logprobs": top_logprobs} if top_logprobs else {})})
+        self.sampling = SamplingParams(
+            **{**(sampling or {}), **({"top_logprobs": top_logprobs} if top_logprobs else {})}
+        )
         self.engine = Engine(self._model, self._tokenizer, EngineConfig(**(engine or {})))
-        self.fmt = CbrunFormat(logprobs=logprobs, top_logprobs=self.sampling.top_logprobs > 0,
-                               prompt_token_ids=prompt_token_ids, keep_columns=tuple(keep_columns))
+        self.fmt = CbrunFormat(
+            logprobs=logprobs,
+            top_logprobs=self.sampling.top_logprobs > 0,
+            prompt_token_ids=prompt_token_ids,
+            keep_columns=tuple(keep_columns),
+        )
         self._preparer_options = dict(prompt_column=prompt_column, chat=chat, keep_columns=tuple(keep_columns))
 
     def __call__(self, batch: Any):
         """Generate for every row of `batch` (pyarrow Table, pandas DataFrame or dict of columns)."""
         rows = raw_rows(batch)
-        preparer = RowPreparer(self._tokenizer, self.sampling, max_context=self.engine.max_context,
-                               vocab_size=self.engine.vocab_size, **self._preparer_options)
+        preparer = RowPreparer(
+            self._tokenizer,
+            self.sampling,
+            max_context=self.engine.max_context,
+            vocab_size=self.engine.vocab_size,
+            **self._preparer_options,
+        )
         sink = _RowSink()
         # one window holds the whole batch: every prompt is submitted at once, prefix-sorted
-        GenerateJob(self.engine, rows, preparer, self.fmt, sink, window=max(len(rows), 1),
-                    progress=JobProgress()).run()
+        GenerateJob(self.engine, rows, preparer, self.fmt, sink, window=max(len(rows), 1), progress=JobProgress()).run()
         return result_table(sink.rows, self.fmt)
 
     def __del__(self):
@@ -111,8 +133,7 @@ def raw_rows(batch: Any) -> list[RawRow]:
 
 def _from_raw_columns(record: dict) -> RawRow:
     text = record.get(RECORD)
-    return RawRow(int(record[ROW]), None if text is None else json.loads(text), record.get(ERROR),
-                  record.get(LINE))
+    return RawRow(int(record[ROW]), None if text is None else json.loads(text), record.get(ERROR), record.get(LINE))
 
 
 def _records(batch: Any) -> list[dict]:

@@ -60,8 +60,7 @@ class RayProgress:
 
     def add(self, table) -> None:
         """Count one result block: rows are distinct ids (all samples of a row share a block)."""
-        rows = table.select(["id", "finish_reason", "num_prompt_tokens", "num_completion_tokens",
-                             "sample"]).to_pylist()
+        rows = table.select(["id", "finish_reason", "num_prompt_tokens", "num_completion_tokens", "sample"]).to_pylist()
         self.rows_done += len({r["id"] for r in rows})
         self.rows_failed += len({r["id"] for r in rows if r["finish_reason"] == "error"})
         self.samples_written += len(rows)
@@ -77,10 +76,15 @@ def raw_blocks(rows: Iterable[RawRow], block_rows: int) -> Iterator:
     chunk: list[RawRow] = []
 
     def table():
-        return pa.table([[r.index for r in chunk],
-                         [None if r.record is None else json.dumps(r.record, ensure_ascii=False, default=str)
-                          for r in chunk],
-                         [r.error for r in chunk], [r.line for r in chunk]], schema=schema)
+        return pa.table(
+            [
+                [r.index for r in chunk],
+                [None if r.record is None else json.dumps(r.record, ensure_ascii=False, default=str) for r in chunk],
+                [r.error for r in chunk],
+                [r.line for r in chunk],
+            ],
+            schema=schema,
+        )
 
     for raw in rows:
         chunk.append(raw)
@@ -108,7 +112,7 @@ def start_ray(address: str | None, threads: int, quiet: bool) -> None:
     """Join `address` or start a local cluster whose workers import this same cbrun."""
     try:
         import ray
-        import ray.data  # noqa: F401 - the Data library is part of the extra
+        import ray.data
     except ImportError:
         raise RayJobError("--ray needs Ray Data: pip install 'cbrun[ray]'") from None
     import logging
@@ -119,12 +123,18 @@ def start_ray(address: str | None, threads: int, quiet: bool) -> None:
         source_root = str(Path(__file__).resolve().parents[2])
         env_vars["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=not quiet,
-                 logging_level=logging.ERROR if quiet else logging.WARNING,
-                 runtime_env={"env_vars": env_vars}, ignore_reinit_error=True)
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            log_to_driver=not quiet,
+            logging_level=logging.ERROR if quiet else logging.WARNING,
+            runtime_env={"env_vars": env_vars},
+            ignore_reinit_error=True,
+        )
     except Exception as exc:  # ConnectionError, RuntimeError, ValueError ... from ray.init
-        raise RayJobError(f"cannot start or join Ray{f' at {address}' if address else ''}: "
-                          f"{_first_line(exc)}") from None
+        raise RayJobError(
+            f"cannot start or join Ray{f' at {address}' if address else ''}: {_first_line(exc)}"
+        ) from None
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # our own progress line says rows done and tokens/s
     context.enable_operator_progress_bars = False
@@ -132,8 +142,18 @@ def start_ray(address: str | None, threads: int, quiet: bool) -> None:
         logging.getLogger("ray.data").setLevel(logging.ERROR)
 
 
-def run_ray_job(rows: Iterable[RawRow], write_block, progress: RayProgress, *, generator: dict, replicas: int,
-                threads: int, cpus_per_replica: float, window: int, udf: type = CbrunGenerator) -> None:
+def run_ray_job(
+    rows: Iterable[RawRow],
+    write_block,
+    progress: RayProgress,
+    *,
+    generator: dict,
+    replicas: int,
+    threads: int,
+    cpus_per_replica: float,
+    window: int,
+    udf: type = CbrunGenerator,
+) -> None:
     """Run every row through `replicas` actors of `udf` (CbrunGenerator or a subclass of it, which gets
     `generator` as keyword arguments); `write_block(table)` each result block as it arrives."""
     import ray
@@ -145,8 +165,13 @@ def run_ray_job(rows: Iterable[RawRow], write_block, progress: RayProgress, *, g
     size = block_size(len(rows), replicas, window)
     ds = ray.data.from_arrow(list(raw_blocks(rows, size)))  # one block per batch: the unit of retry
     results = ds.map_batches(
-        udf, fn_constructor_kwargs={**generator, "threads": threads}, batch_format="pyarrow",
-        batch_size=size, concurrency=replicas, num_cpus=cpus_per_replica)  # Ray Data restarts dead actors
+        udf,
+        fn_constructor_kwargs={**generator, "threads": threads},
+        batch_format="pyarrow",
+        batch_size=size,
+        concurrency=replicas,
+        num_cpus=cpus_per_replica,
+    )  # Ray Data restarts dead actors
     try:
         for table in results.iter_batches(batch_format="pyarrow", batch_size=None):
             if table.num_rows:
@@ -171,7 +196,7 @@ class ProgressLines:
         self._thread = threading.Thread(target=self._run, name="cbrun-ray-progress", daemon=True)
         self._last = (time.perf_counter(), 0)
 
-    def __enter__(self) -> "ProgressLines":
+    def __enter__(self) -> ProgressLines:
         self._thread.start()
         return self
 
@@ -187,9 +212,11 @@ class ProgressLines:
         self._last = (now, p.completion_tokens)
         total = f"/{p.rows_total}" if p.rows_total else ""
         percent = f" ({100 * p.rows_done / p.rows_total:.1f}%)" if p.rows_total else ""
-        return (f"[cbrun generate --ray] rows {p.rows_done}{total}{percent} | {p.replicas} replicas | "
-                f"out {rate:,.0f} tok/s now, {p.completion_tokens / max(p.elapsed_s, 1e-9):,.0f} tok/s overall | "
-                f"errors {p.rows_failed} | {p.elapsed_s:,.0f} s")
+        return (
+            f"[cbrun generate --ray] rows {p.rows_done}{total}{percent} | {p.replicas} replicas | "
+            f"out {rate:,.0f} tok/s now, {p.completion_tokens / max(p.elapsed_s, 1e-9):,.0f} tok/s overall | "
+            f"errors {p.rows_failed} | {p.elapsed_s:,.0f} s"
+        )
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval):
@@ -200,12 +227,13 @@ def summary(progress: RayProgress, output: str) -> list[str]:
     """The end-of-job lines: rows, tokens, wall time and rates."""
     p = progress
     elapsed = max(p.elapsed_s, 1e-9)
-    return [f"rows {p.rows_done:,} (failed {p.rows_failed:,}), output rows {p.samples_written:,}, "
-            f"on {p.replicas} Ray replicas",
-            f"prompt tokens {p.prompt_tokens:,}, completion tokens {p.completion_tokens:,}, "
-            f"wall time {elapsed:,.1f} s",
-            f"output tokens/s {p.completion_tokens / elapsed:,.1f}, rows/s {p.rows_done / elapsed:,.2f}",
-            f"output: {output}"]
+    return [
+        f"rows {p.rows_done:,} (failed {p.rows_failed:,}), output rows {p.samples_written:,}, "
+        f"on {p.replicas} Ray replicas",
+        f"prompt tokens {p.prompt_tokens:,}, completion tokens {p.completion_tokens:,}, wall time {elapsed:,.1f} s",
+        f"output tokens/s {p.completion_tokens / elapsed:,.1f}, rows/s {p.rows_done / elapsed:,.2f}",
+        f"output: {output}",
+    ]
 
 
 def _first_line(exc: BaseException) -> str:

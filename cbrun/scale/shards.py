@@ -73,8 +73,9 @@ _SCHEDULERS = (
 )
 
 
-def resolve_shard(num_shards: int | None, shard_index: int | None,
-                  env: Mapping[str, str] | None = None) -> Shard | None:
+def resolve_shard(
+    num_shards: int | None, shard_index: int | None, env: Mapping[str, str] | None = None
+) -> Shard | None:
     """This process's shard, or None when the job is not sharded (N = 1 or nothing set).
 
     Raises ShardError with a one-line message for missing, non-numeric or out-of-range numbers.
@@ -93,8 +94,10 @@ def resolve_shard(num_shards: int | None, shard_index: int | None,
         return None
     if count is None:
         if found is not None:
-            raise ShardError(f"{found.index_source} is set but the number of shards is not: "
-                             f"set {found.count_source} or pass --num-shards")
+            raise ShardError(
+                f"{found.index_source} is set but the number of shards is not: "
+                f"set {found.count_source} or pass --num-shards"
+            )
         raise ShardError("--shard-index needs --num-shards (or a scheduler's shard count in the environment)")
     if count < 1:
         raise ShardError(f"the number of shards must be at least 1, got {count} ({count_from})")
@@ -103,8 +106,9 @@ def resolve_shard(num_shards: int | None, shard_index: int | None,
             return None
         raise ShardError("--num-shards needs --shard-index (or a scheduler's task index in the environment)")
     if not 0 <= index < count:
-        raise ShardError(f"shard index {index} ({index_from}) is outside 0..{count - 1} "
-                         f"for {count} shards ({count_from})")
+        raise ShardError(
+            f"shard index {index} ({index_from}) is outside 0..{count - 1} for {count} shards ({count_from})"
+        )
     if count == 1:
         return None
     flags = index_from == "--shard-index" and count_from == "--num-shards"
@@ -143,8 +147,10 @@ def _slurm_index(env: Mapping[str, str], task_id: int, source: str) -> tuple[int
     first = _env_int(env, "SLURM_ARRAY_TASK_MIN", default=0)
     step = _env_int(env, "SLURM_ARRAY_TASK_STEP", default=1) or 1
     if (task_id - first) % step:
-        raise ShardError(f"SLURM_ARRAY_TASK_ID={task_id} is not on the array's step (min {first}, step {step}); "
-                         "use one --array=A-B[:S] range, or pass --shard-index")
+        raise ShardError(
+            f"SLURM_ARRAY_TASK_ID={task_id} is not on the array's step (min {first}, step {step}); "
+            "use one --array=A-B[:S] range, or pass --shard-index"
+        )
     if first:
         source += f" - SLURM_ARRAY_TASK_MIN={first}"
     if step != 1:
@@ -189,13 +195,16 @@ def shard_output(spec: str, shard: Shard) -> tuple[str, bool]:
         try:
             named = spec.format(shard=shard.index, num_shards=shard.count)
         except (KeyError, IndexError, ValueError) as exc:
-            raise ShardError(f"cannot fill in OUTPUT {spec!r}: only {{shard}} and {{num_shards}} "
-                             f"may appear in braces ({exc})") from None
+            raise ShardError(
+                f"cannot fill in OUTPUT {spec!r}: only {{shard}} and {{num_shards}} may appear in braces ({exc})"
+            ) from None
         if SHARD_PLACEHOLDER not in spec:
             raise ShardError(f"OUTPUT {spec!r} has no {{shard}}: every shard would write the same file")
         return named, False
     path = Path(spec)
     if path.exists() and not path.is_dir():
-        raise ShardError(f"{spec} is a file; a sharded run writes a directory of part files there "
-                         f"(remove it, or name one file per shard with {{shard}}, e.g. out-{{shard}}.parquet)")
+        raise ShardError(
+            f"{spec} is a file; a sharded run writes a directory of part files there "
+            f"(remove it, or name one file per shard with {{shard}}, e.g. out-{{shard}}.parquet)"
+        )
     return str(path / shard.part_name(path.suffix.lower())), True

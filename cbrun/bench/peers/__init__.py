@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from cbrun.bench.result import PeerResult, PeerUnavailable  # noqa: F401  (re-exported for peers)
 from cbrun.bench.workload import Workload

@@ -71,8 +71,14 @@ def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str | None) -
         if label:
             ctx.progress.update(label, done, total, force=done == total)
     wall = time.perf_counter() - start
-    result = PeerResult("cbrun", wall_s=wall, num_requests=workload.num_prompts,
-                        num_input_tokens=workload.num_input_tokens, output_counts=counts, ttfts=ttfts)
+    result = PeerResult(
+        "cbrun",
+        wall_s=wall,
+        num_requests=workload.num_prompts,
+        num_input_tokens=workload.num_input_tokens,
+        output_counts=counts,
+        ttfts=ttfts,
+    )
     if hasattr(engine, "linear_kernels"):
         result.details["linear_kernels"] = engine.linear_kernels()
         result.notes.append(f"linear kernels: {engine.linear_kernels()}")
@@ -94,9 +100,17 @@ def _submit(engine, workload: Workload) -> tuple[dict[str, int], int]:
     """
     from cbrun.engine import SamplingParams
 
-    params = [SamplingParams(max_tokens=length, temperature=workload.temperature, ignore_eos=workload.ignore_eos,
-                             n=workload.n, seed=workload.request_seed(i), structured=workload.constraint(i))
-              for i, length in enumerate(workload.output_lens)]
+    params = [
+        SamplingParams(
+            max_tokens=length,
+            temperature=workload.temperature,
+            ignore_eos=workload.ignore_eos,
+            n=workload.n,
+            seed=workload.request_seed(i),
+            structured=workload.constraint(i),
+        )
+        for i, length in enumerate(workload.output_lens)
+    ]
     ids = [f"bench-{i}" for i in range(workload.num_prompts)]
     engine.add_requests(workload.prompts, params, request_ids=ids)
     return {rid: i for i, rid in enumerate(ids)}, 1

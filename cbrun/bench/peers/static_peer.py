@@ -40,7 +40,7 @@ def _run_pass(ctx: PeerContext, workload: Workload, label: str) -> PeerResult:
     torch.manual_seed(workload.seed)
     start = time.perf_counter()
     for first in range(0, len(prompts), size):
-        batch, batch_lens = prompts[first:first + size], lens[first:first + size]
+        batch, batch_lens = prompts[first : first + size], lens[first : first + size]
         input_ids, mask = _left_pad(batch, pad_id, ctx.model.device)
         clock = _FirstTokenClock()
         with torch.inference_mode():
@@ -50,15 +50,21 @@ def _run_pass(ctx: PeerContext, workload: Workload, label: str) -> PeerResult:
                 generation_config=_generation_config(workload, max(batch_lens), pad_id, eos_ids),
                 stopping_criteria=[clock],
             )
-        generated = out[:, input_ids.shape[1]:].tolist()  # [batch, new_tokens]
+        generated = out[:, input_ids.shape[1] :].tolist()  # [batch, new_tokens]
         for j, tokens in enumerate(generated):
             counts[(first + j) // n] += _real_tokens(tokens, batch_lens[j], eos_ids, workload.ignore_eos)
         if clock.first_time is not None:
             ttfts.extend([clock.first_time - start] * len(batch))
         ctx.progress.update(label, min(first + size, len(prompts)), len(prompts), force=first + size >= len(prompts))
     wall = time.perf_counter() - start
-    return PeerResult("hf-static", wall_s=wall, num_requests=workload.num_prompts,
-                      num_input_tokens=workload.num_input_tokens, output_counts=counts, ttfts=ttfts)
+    return PeerResult(
+        "hf-static",
+        wall_s=wall,
+        num_requests=workload.num_prompts,
+        num_input_tokens=workload.num_input_tokens,
+        output_counts=counts,
+        ttfts=ttfts,
+    )
 
 
 def _real_tokens(tokens: list[int], requested: int, eos_ids: set[int], ignore_eos: bool) -> int:
@@ -90,8 +96,8 @@ def _left_pad(batch: list[list[int]], pad_id: int, device):
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [batch, width]
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
 
 

@@ -35,8 +35,10 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
     prompts, output_lens, copies = _expand_greedy_samples(workload)
     ctx.progress.message("[transformers] setting up the continuous batching manager")
     if not ctx.transformers_cb_config and not str(ctx.device).startswith("cuda"):
-        ctx.progress.message("[transformers] default ContinuousBatchingConfig on CPU: it sizes its cache from most of "
-                             "the RAM and zero-fills it (slow, memory-hungry); --transformers-cb-config bounds it")
+        ctx.progress.message(
+            "[transformers] default ContinuousBatchingConfig on CPU: it sizes its cache from most of "
+            "the RAM and zero-fills it (slow, memory-hungry); --transformers-cb-config bounds it"
+        )
     setup_start = time.perf_counter()
     with ctx.model.continuous_batching_context_manager(
         generation_config=_generation_config(ctx, workload, copies),
@@ -50,15 +52,21 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
         _run_pass(manager, warmup.prompts, warmup.output_lens, warmup, ctx, "transformers warm-up")
         result = _run_pass(manager, prompts, output_lens, workload, ctx, "transformers")
     if copies > 1:  # fold the per-sample copies back onto their prompt
-        result.output_counts = [sum(result.output_counts[i * copies:(i + 1) * copies]) for i in range(workload.num_prompts)]
+        result.output_counts = [
+            sum(result.output_counts[i * copies : (i + 1) * copies]) for i in range(workload.num_prompts)
+        ]
     result.num_input_tokens = workload.num_input_tokens
-    result.details["continuous_batching_config"] = "default ContinuousBatchingConfig()" if not ctx.transformers_cb_config else ctx.transformers_cb_config
+    result.details["continuous_batching_config"] = (
+        "default ContinuousBatchingConfig()" if not ctx.transformers_cb_config else ctx.transformers_cb_config
+    )
     result.details["resolved_cb_config"] = {
         key: getattr(resolved, key, None)
         for key in ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "scheduler_type")
     }
     result.details["setup_s"] = round(setup_s, 3)
-    result.notes.append(f"manager set-up {setup_s:.1f}s excluded; config: {result.details['continuous_batching_config']}")
+    result.notes.append(
+        f"manager set-up {setup_s:.1f}s excluded; config: {result.details['continuous_batching_config']}"
+    )
     return result
 
 
@@ -103,8 +111,9 @@ def _run_pass(manager, prompts, output_lens, workload: Workload, ctx: PeerContex
     errors: list[str] = []
     start = time.perf_counter()
     for i in order:
-        manager.add_request(prompts[i], request_id=f"bench-{i}", max_new_tokens=output_lens[i],
-                            record_timestamps=True, eos_token_id=eos)
+        manager.add_request(
+            prompts[i], request_id=f"bench-{i}", max_new_tokens=output_lens[i], record_timestamps=True, eos_token_id=eos
+        )
     done = 0
     while done < total:
         out = manager.get_result(timeout=1)
@@ -123,8 +132,14 @@ def _run_pass(manager, prompts, output_lens, workload: Workload, ctx: PeerContex
             errors.append(f"{out.request_id}: {out.error}")
         ctx.progress.update(label, done, total, force=done == total)
     wall = time.perf_counter() - start
-    result = PeerResult("transformers", wall_s=wall, num_requests=workload.num_prompts,
-                        num_input_tokens=sum(len(p) for p in prompts), output_counts=counts, ttfts=ttfts)
+    result = PeerResult(
+        "transformers",
+        wall_s=wall,
+        num_requests=workload.num_prompts,
+        num_input_tokens=sum(len(p) for p in prompts),
+        output_counts=counts,
+        ttfts=ttfts,
+    )
     if errors:
         result.notes.append(f"{len(errors)} requests failed, first: {errors[0]}")
     return result

@@ -40,8 +40,12 @@ def run(job):
     log(f"warm-up done in {warmup['wall_s']:.1f}s")
     timed = run_pass(llm, job["timed"])
     log(f"timed pass done in {timed['wall_s']:.1f}s")
-    timed.update(vllm_version=vllm.__version__, startup_s=startup_s, warmup_s=warmup["wall_s"],
-                 dtype=str(llm.llm_engine.model_config.dtype).replace("torch.", ""))
+    timed.update(
+        vllm_version=vllm.__version__,
+        startup_s=startup_s,
+        warmup_s=warmup["wall_s"],
+        dtype=str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
+    )
     return timed
 
 

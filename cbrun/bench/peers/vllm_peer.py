@@ -13,6 +13,7 @@ Its start-up is excluded from timing, as every engine's is.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -48,7 +49,10 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
     if "VLLM_CPU_KVCACHE_SPACE" not in env:  # vLLM would reserve 92% of the memory node and refuse to start
         job["llm_kwargs"]["kv_cache_memory_bytes"] = kv_cache_bytes(ctx.model, _torch_dtype(ctx), workload)
     where = "in-process" if python is None else python
-    ctx.progress.message(f"[vllm] starting vLLM ({where}; start-up takes minutes), threads bind {env.get('VLLM_CPU_OMP_THREADS_BIND', '-')}")
+    ctx.progress.message(
+        f"[vllm] starting vLLM ({where}; start-up takes minutes), "
+        f"threads bind {env.get('VLLM_CPU_OMP_THREADS_BIND', '-')}"
+    )
     figures = _run_in_process(job, env) if python is None else _run_child(python, job, env, ctx)
     result = PeerResult(
         "vllm",
@@ -66,7 +70,9 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
         python=where,
         threads_bind=env.get("VLLM_CPU_OMP_THREADS_BIND"),
     )
-    result.notes.append(f"vLLM {figures.get('vllm_version')} ({where}), start-up {figures.get('startup_s', 0):.0f}s excluded")
+    result.notes.append(
+        f"vLLM {figures.get('vllm_version')} ({where}), start-up {figures.get('startup_s', 0):.0f}s excluded"
+    )
     if workload.is_structured and figures.get("outputs") is not None:  # checked here, as cbrun's are
         validity = Validity()
         for index, samples in enumerate(figures["outputs"]):
@@ -83,7 +89,8 @@ def _torch_dtype(ctx: PeerContext):
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        ctx.vllm_dtype, torch.bfloat16)  # auto: vLLM's CPU and GPU default for these checkpoints
+        ctx.vllm_dtype, torch.bfloat16
+    )  # auto: vLLM's CPU and GPU default for these checkpoints
 
 
 def _interpreter(vllm_python: str | None) -> str | None:
@@ -105,8 +112,11 @@ def _pass_spec(workload: Workload) -> dict:
         "ignore_eos": workload.ignore_eos,
         "temperature": workload.temperature,
         "seed": workload.seed,
-        "structured": ([vllm_constraint(workload.constraint(i)) for i in range(workload.num_prompts)]
-                       if workload.is_structured else None),
+        "structured": (
+            [vllm_constraint(workload.constraint(i)) for i in range(workload.num_prompts)]
+            if workload.is_structured
+            else None
+        ),
     }
 
 
@@ -150,10 +160,8 @@ def model_dir_for_vllm(ctx: PeerContext) -> Path:
     ctx.model.save_pretrained(tmp)
     ctx.tokenizer.save_pretrained(tmp)
     (tmp / "COMPLETE").write_text(f"{ctx.model_spec}\n{dtype}\n")
-    try:
+    with contextlib.suppress(OSError):  # another run exported it meanwhile
         tmp.rename(target)
-    except OSError:  # another run exported it meanwhile
-        pass
     return target
 
 
@@ -172,7 +180,12 @@ def _run_child(python: str, job: dict, env: dict, ctx: PeerContext) -> dict:
         log: list[str] = []
         proc = subprocess.Popen(
             [python, vllm_child.__file__, str(job_path), str(result_path)],
-            env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+            env=env,
+            cwd=tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
         )
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -183,8 +196,7 @@ def _run_child(python: str, job: dict, env: dict, ctx: PeerContext) -> dict:
         if code == vllm_child.EXIT_IMPORT_ERROR:
             raise PeerUnavailable(f"{python} cannot import vllm: {log[-1] if log else 'no output'}")
         if code != 0 or not result_path.is_file():
-            raise RuntimeError(f"vLLM child exited with code {code}: {_root_cause(log)}\n"
-                               f"full log: {_keep_log(log)}")
+            raise RuntimeError(f"vLLM child exited with code {code}: {_root_cause(log)}\nfull log: {_keep_log(log)}")
         return json.loads(result_path.read_text())
 
 

@@ -27,8 +27,9 @@ from cbrun.engine.batch import SequenceRows
 TASK_ROWS = 16  # rows per task at most: big groups are split so both threads get work
 
 
-def plan_tasks(seqs: list[SequenceRows], page_size: int, segment: int, windowed: bool,
-               max_rows: int = TASK_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def plan_tasks(
+    seqs: list[SequenceRows], page_size: int, segment: int, windowed: bool, max_rows: int = TASK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tasks for the kernel: (rows [R], start [T + 1], shared keys [T]), int64, largest tasks first.
 
     Sequences whose first block is the same (and that see keys from position 0)
@@ -52,7 +53,7 @@ def plan_tasks(seqs: list[SequenceRows], page_size: int, segment: int, windowed:
         rows = [row for seq in members for row in range(seq.first_row, seq.first_row + seq.count)]
         ends = [seq.start + i + 1 for seq in members for i in range(seq.count)]
         for at in range(0, len(rows), max_rows):
-            tasks.append((sum(ends[at: at + max_rows]), rows[at: at + max_rows], shared))
+            tasks.append((sum(ends[at : at + max_rows]), rows[at : at + max_rows], shared))
     for seq in singles:
         for i in range(seq.count):
             tasks.append((seq.start + i + 1, [seq.first_row + i], 0))
@@ -61,8 +62,11 @@ def plan_tasks(seqs: list[SequenceRows], page_size: int, segment: int, windowed:
     starts = [0]
     for _, task_rows, _ in tasks:
         starts.append(starts[-1] + len(task_rows))
-    return (torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-            torch.tensor([shared for _, _, shared in tasks], dtype=torch.long))
+    return (
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(starts, dtype=torch.long),
+        torch.tensor([shared for _, _, shared in tasks], dtype=torch.long),
+    )
 
 
 def _shared_keys(members: list[SequenceRows], page_size: int, segment: int) -> int:

@@ -16,11 +16,9 @@ import torch
 
 from cbrun.engine.backend import TorchBackend
 from cbrun.engine.cpu.attention_tasks import plan_tasks
-from cbrun.engine.cpu.fused_layers import install_fused_layers
-from cbrun.engine.cpu.fused_layers import uninstall as uninstall_fused_layers
+from cbrun.engine.cpu.fused_layers import install_fused_layers, uninstall as uninstall_fused_layers
 from cbrun.engine.cpu.kernels import CpuKernels
-from cbrun.engine.cpu.linear import install_linear_methods, linear_shapes
-from cbrun.engine.cpu.linear import uninstall as uninstall_linears
+from cbrun.engine.cpu.linear import install_linear_methods, linear_shapes, uninstall as uninstall_linears
 from cbrun.engine.cpu.linear_methods import LayerMethod, LinearMethod
 from cbrun.engine.cpu.method_selector import MethodChoice, choose_linear_method
 from cbrun.engine.model_spec import ModelSpec
@@ -49,16 +47,20 @@ class CpuBackend(TorchBackend):
     def install(self, model, spec: ModelSpec) -> None:
         """Choose a linear method per weight dtype (after its self-check), give every linear layer its layer
         method and Llama-shaped decoder layers the fused forward; decide whether the compiled attention applies."""
-        self.method_choices = [choose_linear_method(self.kernels, dtype, shapes, self.policy)
-                               for dtype in (torch.float32, torch.bfloat16)
-                               if (shapes := linear_shapes(model, dtype))]
-        methods: dict[torch.dtype, LinearMethod] = {c.dtype: c.method for c in self.method_choices
-                                                    if c.method is not None}
+        self.method_choices = [
+            choose_linear_method(self.kernels, dtype, shapes, self.policy)
+            for dtype in (torch.float32, torch.bfloat16)
+            if (shapes := linear_shapes(model, dtype))
+        ]
+        methods: dict[torch.dtype, LinearMethod] = {
+            c.dtype: c.method for c in self.method_choices if c.method is not None
+        }
         self.linears = install_linear_methods(model, self.kernels, methods)
         self.fused_layers = install_fused_layers(model, self.kernels, methods.get(_dtype_of(model)))
         kv = spec.kv
-        self.attends_rows = not spec.softcaps_attention and \
-            self.kernels.supports_attention(kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim)
+        self.attends_rows = not spec.softcaps_attention and self.kernels.supports_attention(
+            kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim
+        )
 
     def close(self) -> None:
         uninstall_linears(self.linears)
@@ -77,8 +79,18 @@ class CpuBackend(TorchBackend):
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
         if not self.attends_rows or softcap:
             return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
-        return self.kernels.attend(query.transpose(0, 1).contiguous(), k_pool, v_pool, rows.tables, rows.row_seq,
-                                   rows.first_page, rows.kv_len, rows.kv_lo, rows.plan, scale)
+        return self.kernels.attend(
+            query.transpose(0, 1).contiguous(),
+            k_pool,
+            v_pool,
+            rows.tables,
+            rows.row_seq,
+            rows.first_page,
+            rows.kv_len,
+            rows.kv_lo,
+            rows.plan,
+            scale,
+        )
 
     def project(self, head: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits straight from the kernel's fp32 sums, in one order for every row count."""
@@ -96,13 +108,14 @@ class CpuBackend(TorchBackend):
     def describe(self) -> str:
         attention = "compiled" if self.attends_rows else "torch"
         methods = "; ".join(c.summary() for c in self.method_choices) or "no linear layers"
-        return (f"cpu (compiled kernels; {len(self.linears)} linears, {len(self.fused_layers)} fused layers, "
-                f"{attention} attention; linear methods: {methods})")
+        return (
+            f"cpu (compiled kernels; {len(self.linears)} linears, {len(self.fused_layers)} fused layers, "
+            f"{attention} attention; linear methods: {methods})"
+        )
 
     def linear_methods(self) -> dict[str, str]:
         """The method serving each weight dtype ("float32" -> "f32"), for run summaries and `cbrun info`."""
-        return {str(c.dtype).removeprefix("torch."): c.method.name if c.method else "none"
-                for c in self.method_choices}
+        return {str(c.dtype).removeprefix("torch."): c.method.name if c.method else "none" for c in self.method_choices}
 
 
 def _dtype_of(model) -> torch.dtype | None:

@@ -81,8 +81,9 @@ class LayerPlan:
         """Give the plan its layer methods (weights packed or read in place, as the method does)."""
         self.qkv_method = method.make(kernels, [p.weight for p in self.qkv], [p.bias for p in self.qkv])
         self.o_method = method.make(kernels, [self.o_proj.weight], [self.o_proj.bias])
-        self.gated_method = method.make(kernels, [self.gate.weight, self.up.weight], [self.gate.bias, self.up.bias],
-                                        gated=True)
+        self.gated_method = method.make(
+            kernels, [self.gate.weight, self.up.weight], [self.gate.bias, self.up.bias], gated=True
+        )
         self.down_method = method.make(kernels, [self.down.weight], [self.down.bias])
 
 
@@ -126,28 +127,41 @@ def uninstall(layers: list[torch.nn.Module]) -> None:
         layer.__dict__.pop("forward", None)
 
 
-def fused_forward(plan: LayerPlan, kernels, stock_forward, hidden_states: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None, position_embeddings=None, **kwargs) -> torch.Tensor:
+def fused_forward(
+    plan: LayerPlan,
+    kernels,
+    stock_forward,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_embeddings=None,
+    **kwargs,
+) -> torch.Tensor:
     """The decoder layer's forward: hidden [1, T, hidden] -> [1, T, hidden]."""
     function = ALL_ATTENTION_FUNCTIONS.get_interface(plan.attention.config._attn_implementation, None)
-    if function is None or position_embeddings is None or hidden_states.dtype != plan.dtype \
-            or hidden_states.shape[0] != 1 or hidden_states.stride(-1) != 1 \
-            or any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+    if (
+        function is None
+        or position_embeddings is None
+        or hidden_states.dtype != plan.dtype
+        or hidden_states.shape[0] != 1
+        or hidden_states.stride(-1) != 1
+        or any(kwargs.get(k) is not None for k in _CACHE_KWARGS)
+    ):
         # not the engine's call: the stock forward
-        return stock_forward(hidden_states, attention_mask=attention_mask,
-                             position_embeddings=position_embeddings, **kwargs)
+        return stock_forward(
+            hidden_states, attention_mask=attention_mask, position_embeddings=position_embeddings, **kwargs
+        )
     x = hidden_states[0].float()  # [T, hidden] fp32 (bf16 widens exactly): the residual stream within the layer
     normed, _ = kernels.rmsnorm(x, plan.input_norm.weight, plan.input_norm.eps)
-    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask,
-                          kwargs)  # [T, H * D]
+    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, kwargs)  # [T, H * D]
     projected = plan.o_method(attended, torch.float32)  # [T, hidden]
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
     gated = plan.gated_method(normed, plan.dtype)  # [T, I]: the down projection reads it in the model's dtype
     return (residual + plan.down_method(gated, torch.float32)).to(plan.dtype).unsqueeze(0)
 
 
-def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, position_embeddings, attention_mask,
-               kwargs) -> torch.Tensor:
+def _attention(
+    plan: LayerPlan, kernels, function, normed: torch.Tensor, position_embeddings, attention_mask, kwargs
+) -> torch.Tensor:
     """normed [T, hidden] -> attention output [T, H * D] through the model's attention function."""
     tokens = normed.shape[0]
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
@@ -161,14 +175,15 @@ def _attention(plan: LayerPlan, kernels, function, normed: torch.Tensor, positio
     qkv = qkv.to(plan.dtype)  # the attention and the KV cache in the model's dtype
     per_head = qkv.view(tokens, heads + 2 * kv_heads, dim).transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]
     query = per_head[:, :heads]
-    key = per_head[:, heads: heads + kv_heads]
-    value = per_head[:, heads + kv_heads:]
+    key = per_head[:, heads : heads + kv_heads]
+    value = per_head[:, heads + kv_heads :]
     attention = plan.attention
     kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_KWARGS}  # the stock forward's own arguments
     if hasattr(attention, "sliding_window"):
         kwargs["sliding_window"] = attention.sliding_window
-    out, _ = function(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
-                      **kwargs)  # [1, T, H, D]
+    out, _ = function(
+        attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs
+    )  # [1, T, H, D]
     return out.reshape(tokens, heads * dim)
 
 
@@ -194,6 +209,7 @@ def _rope_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- install-time checks ----------------------------------------------------------
 
+
 def _plan(layer, method: LinearMethod) -> LayerPlan | None:
     """The layer's parts when it has exactly a Llama-style layer's structure (fp32 on CPU), else None."""
     if _children(layer) != _LAYER_PARTS:
@@ -208,8 +224,12 @@ def _plan(layer, method: LinearMethod) -> LayerPlan | None:
     if not all(method.reads(lin) for lin in linears):
         return None
     dim = getattr(attention, "head_dim", None)
-    if not isinstance(dim, int) or dim % 2 or not hasattr(attention, "scaling") \
-            or not hasattr(getattr(attention, "config", None), "_attn_implementation"):
+    if (
+        not isinstance(dim, int)
+        or dim % 2
+        or not hasattr(attention, "scaling")
+        or not hasattr(getattr(attention, "config", None), "_attn_implementation")
+    ):
         return None
     norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
     head_norms = [_norm(attention.q_norm), _norm(attention.k_norm)] if has_head_norms else [None, None]
@@ -219,9 +239,20 @@ def _plan(layer, method: LinearMethod) -> LayerPlan | None:
     if q.out_features % dim or k.out_features % dim or k.out_features != v.out_features:
         return None
     return LayerPlan(
-        attention=attention, input_norm=norms[0], post_norm=norms[1], q_norm=head_norms[0], k_norm=head_norms[1],
-        qkv=[q, k, v], o_proj=o, gate=mlp.gate_proj, up=mlp.up_proj, down=mlp.down_proj,
-        num_heads=q.out_features // dim, num_kv_heads=k.out_features // dim, head_dim=dim, dtype=q.weight.dtype,
+        attention=attention,
+        input_norm=norms[0],
+        post_norm=norms[1],
+        q_norm=head_norms[0],
+        k_norm=head_norms[1],
+        qkv=[q, k, v],
+        o_proj=o,
+        gate=mlp.gate_proj,
+        up=mlp.up_proj,
+        down=mlp.down_proj,
+        num_heads=q.out_features // dim,
+        num_kv_heads=k.out_features // dim,
+        head_dim=dim,
+        dtype=q.weight.dtype,
     )
 
 
@@ -233,8 +264,13 @@ def _norm(module) -> Norm | None:
     """An RMS norm's weight and epsilon, if it has the usual attributes (its formula is probed later)."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.dtype not in (torch.float32, torch.bfloat16) \
-            or not weight.is_contiguous() or not isinstance(eps, float):
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dim() != 1
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or not weight.is_contiguous()
+        or not isinstance(eps, float)
+    ):
         return None
     return Norm(weight.detach().float().contiguous(), eps)  # fp32 (a bf16 weight widened, exactly)
 
@@ -250,15 +286,19 @@ def _probe(layer, plan: LayerPlan, kernels, rotary) -> bool:
         embeddings = rotary(x, positions)
         try:
             expected = layer(x, position_ids=positions, position_embeddings=embeddings)
-            fused = fused_forward(plan, kernels, layer.forward, x, position_ids=positions,
-                                  position_embeddings=embeddings)
+            fused = fused_forward(
+                plan, kernels, layer.forward, x, position_ids=positions, position_embeddings=embeddings
+            )
         except Exception as exc:  # an unexpected signature or shape: keep the stock forward
             log.info("fused layer probe failed for %s: %s", type(layer).__name__, exc)
             return False
         expected = expected[0] if isinstance(expected, tuple) else expected
         scale = expected.abs().max().item() or 1.0
         if not torch.allclose(fused.float(), expected.float(), rtol=0, atol=_PROBE_TOLERANCE[plan.dtype] * scale):
-            log.info("fused layer differs from %s's forward (max error %.3g); keeping the stock one",
-                     type(layer).__name__, (fused - expected).abs().max().item())
+            log.info(
+                "fused layer differs from %s's forward (max error %.3g); keeping the stock one",
+                type(layer).__name__,
+                (fused - expected).abs().max().item(),
+            )
             return False
     return True

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -55,13 +56,14 @@ _FLAGS = ["-O3", f"-march={_MARCH}", "-ffp-contract=fast", "-fopenmp", "-shared"
 # the fp32 attention differed between -march=znver3 and -march=sapphirerapids builds). Form FMAs everywhere.
 _GCC_FLAGS = ["--param=avoid-fma-max-bits=0"]
 _lock = threading.Lock()
-_kernel: "CpuKernels | None" = None
+_kernel: CpuKernels | None = None
 _tried = False
 
 
 def _cache_root() -> Path:
     root = os.environ.get("CBRUN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cbrun")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cbrun"
+    )
     return Path(root) / "kernels"
 
 
@@ -81,7 +83,7 @@ def _flags(compiler: str) -> list[str]:
     return [*_FLAGS, *(_GCC_FLAGS if _is_gcc(compiler) else [])]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_gcc(compiler: str) -> bool:
     """GCC (not clang, which also defines __GNUC__): its --version names the Free Software Foundation."""
     try:
@@ -114,6 +116,7 @@ def cpu_flags() -> str:
     except OSError:
         pass
     import platform
+
     return f"{platform.machine()} {platform.processor()}"
 
 
@@ -133,8 +136,12 @@ def _compile(compiler: str, sources: list[Path], target: Path, extra_flags: tupl
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *_flags(compiler), *extra_flags, *map(str, sources), "-o", str(built), "-lm"], check=True,
-                       capture_output=True, text=True)
+        subprocess.run(
+            [compiler, *_flags(compiler), *extra_flags, *map(str, sources), "-o", str(built), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         os.replace(built, target)  # atomic: concurrent builders never see half a file
 
 
@@ -143,8 +150,34 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 # Every exported function: (restype, argtypes), declared once when the library is loaded.
 _SIGNATURES = {
-    "paged_attend_f32": (_INT, [_P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                                _I64, _F32, _P, _P, _P, _I64, _INT]),
+    "paged_attend_f32": (
+        _INT,
+        [
+            _P,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _F32,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _INT,
+        ],
+    ),
     "paged_attend_max_gd": (_I64, []),
     "paged_attend_segment": (_I64, []),
     "paged_write": (None, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64]),
@@ -183,7 +216,7 @@ class CpuKernels:
     """ctypes bindings of the compiled kernels: paged attention, K/V writes, sampling, linear layers,
     and the fused decoder layers' norm, rotary and activation."""
 
-    _ATTEND = {torch.float32: "paged_attend_f32", torch.bfloat16: "paged_attend_bf16"}
+    _ATTEND: ClassVar[dict[torch.dtype, str]] = {torch.float32: "paged_attend_f32", torch.bfloat16: "paged_attend_bf16"}
     MAX_GROUP = 64  # query heads per kv head (MAX_G in attention.c)
 
     def __init__(self, library: ctypes.CDLL) -> None:
@@ -200,12 +233,26 @@ class CpuKernels:
         self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
 
     def supports_attention(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
-        return (dtype in self.attend_functions and head_dim % 8 == 0 and group <= self.MAX_GROUP
-                and group * head_dim <= self.max_gd)
+        return (
+            dtype in self.attend_functions
+            and head_dim % 8 == 0
+            and group <= self.MAX_GROUP
+            and group * head_dim <= self.max_gd
+        )
 
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-               row_seq: torch.Tensor, first_page: torch.Tensor, kv_len: torch.Tensor, kv_lo: torch.Tensor,
-               tasks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        tables: torch.Tensor,
+        row_seq: torch.Tensor,
+        first_page: torch.Tensor,
+        kv_len: torch.Tensor,
+        kv_lo: torch.Tensor,
+        tasks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
         """Attention of every query row over its own keys, read in place from the page pools.
 
         q [R, H, D] contiguous; pools [H_kv, NB, P, D] contiguous, q's dtype; tables [S, max_pages],
@@ -214,9 +261,13 @@ class CpuKernels:
         """
         rows, heads, dim = q.shape
         num_kv, num_blocks, page, _ = k_pool.shape
-        if q.dtype not in self.attend_functions or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype \
-                or not (q.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()) \
-                or v_pool.shape != k_pool.shape:
+        if (
+            q.dtype not in self.attend_functions
+            or k_pool.dtype != q.dtype
+            or v_pool.dtype != q.dtype
+            or not (q.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous())
+            or v_pool.shape != k_pool.shape
+        ):
             raise KernelError("attend: q and the pools must be contiguous and of one supported dtype")
         longs = (tables, row_seq, first_page, kv_len, kv_lo, *tasks)
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in longs):
@@ -224,9 +275,28 @@ class CpuKernels:
         task_rows, task_start, task_shared = tasks
         out = torch.empty_like(q)
         status = self.attend_functions[q.dtype](
-            _ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(tables), tables.shape[1], _ptr(row_seq), _ptr(first_page),
-            _ptr(kv_len), _ptr(kv_lo), _ptr(out), rows, tables.shape[0], heads, dim, num_kv, num_blocks, page,
-            scale, _ptr(task_rows), _ptr(task_start), _ptr(task_shared), task_shared.numel(),
+            _ptr(q),
+            _ptr(k_pool),
+            _ptr(v_pool),
+            _ptr(tables),
+            tables.shape[1],
+            _ptr(row_seq),
+            _ptr(first_page),
+            _ptr(kv_len),
+            _ptr(kv_lo),
+            _ptr(out),
+            rows,
+            tables.shape[0],
+            heads,
+            dim,
+            num_kv,
+            num_blocks,
+            page,
+            scale,
+            _ptr(task_rows),
+            _ptr(task_start),
+            _ptr(task_shared),
+            task_shared.numel(),
             torch.get_num_threads(),
         )
         _check(status, "attend")
@@ -239,12 +309,21 @@ class CpuKernels:
             pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, new.to(pool.dtype))
             return
         self._lib.paged_write(
-            _ptr(pool), _ptr(new), _ptr(slots), new.shape[1], num_kv, dim, num_blocks * page, new.stride(0),
-            new.stride(1), pool.element_size(),
+            _ptr(pool),
+            _ptr(new),
+            _ptr(slots),
+            new.shape[1],
+            num_kv,
+            dim,
+            num_blocks * page,
+            new.stride(0),
+            new.stride(1),
+            pool.element_size(),
         )
 
-    def sample(self, logits: torch.Tensor, inv_temp: torch.Tensor,
-               uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(
+        self, logits: torch.Tensor, inv_temp: torch.Tensor, uniform: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of fp32 `logits` [N, V]: (token [N] int64, logsumexp(logits * inv_temp) [N] fp32).
 
         Rows with a negative `uniform` (float64) take the argmax; the others
@@ -256,23 +335,40 @@ class CpuKernels:
         normalizer = torch.empty(rows, dtype=torch.float32)
         scratch = torch.empty(threads * vocab, dtype=torch.float32)
         self._lib.sample_rows_f32(
-            _ptr(logits), rows, vocab, logits.stride(0), _ptr(inv_temp), _ptr(uniform), _ptr(token),
-            _ptr(normalizer), _ptr(scratch), threads,
+            _ptr(logits),
+            rows,
+            vocab,
+            logits.stride(0),
+            _ptr(inv_temp),
+            _ptr(uniform),
+            _ptr(token),
+            _ptr(normalizer),
+            _ptr(scratch),
+            threads,
         )
         return token, normalizer
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in `out_dtype` (default x's), reading the
         weight in place; fp32 or bf16 operands, fp32 accumulation in one order for every M."""
         return self.linear_many(x, [weight], [bias], out_dtype)
 
-    def linear_many(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def linear_many(
+        self,
+        x: torch.Tensor,
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor | None],
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """x [M, K] against several weights [N_i, K] (one dtype) in one pass -> [M, sum N_i], side by side."""
         if not 1 <= len(weights) <= self.max_segments:
-            raise KernelError(f"linear: {len(weights)} weights in one call (the kernel takes 1 to "
-                              f"{self.max_segments})")
+            raise KernelError(f"linear: {len(weights)} weights in one call (the kernel takes 1 to {self.max_segments})")
         x = _unit_stride_rows(x)
         rows, inner = x.shape
         _check_linear_operands(x, weights, biases, inner)
@@ -280,15 +376,33 @@ class CpuKernels:
         out = torch.empty(rows, sum(widths), dtype=out_dtype or x.dtype)
         count = len(weights)
         status = self._lib.linear_rows(
-            _ptr(x), x.stride(0), _is_bf16(x), count, _pointers(weights), _pointers(biases), _is_bf16(weights[0]),
-            (ctypes.c_int64 * count)(*widths), _ptr(out), out.stride(0), _is_bf16(out), rows, inner,
-            _ptr(self._panel_scratch(rows, inner)), torch.get_num_threads(),
+            _ptr(x),
+            x.stride(0),
+            _is_bf16(x),
+            count,
+            _pointers(weights),
+            _pointers(biases),
+            _is_bf16(weights[0]),
+            (ctypes.c_int64 * count)(*widths),
+            _ptr(out),
+            out.stride(0),
+            _is_bf16(out),
+            rows,
+            inner,
+            _ptr(self._panel_scratch(rows, inner)),
+            torch.get_num_threads(),
         )
         _check(status, "linear")
         return out
 
-    def gated_silu(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                   gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def gated_silu(
+        self,
+        x: torch.Tensor,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        gate_bias: torch.Tensor | None = None,
+        up_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """silu(x @ gate^T + gate_bias) * (x @ up^T + up_bias): x [M, K], weights [N, K] -> [M, N] in x's dtype."""
         x = _unit_stride_rows(x)
         rows, inner = x.shape
@@ -297,9 +411,22 @@ class CpuKernels:
             raise KernelError("gated_silu: gate and up weights differ in shape")
         out = torch.empty(rows, gate.shape[0], dtype=x.dtype)
         status = self._lib.gated_silu(
-            _ptr(x), x.stride(0), _is_bf16(x), _ptr(gate), _ptr(up), _optional_ptr(gate_bias), _optional_ptr(up_bias),
-            _is_bf16(gate), _ptr(out), out.stride(0), _is_bf16(out), rows, gate.shape[0], inner,
-            _ptr(self._panel_scratch(rows, inner)), torch.get_num_threads(),
+            _ptr(x),
+            x.stride(0),
+            _is_bf16(x),
+            _ptr(gate),
+            _ptr(up),
+            _optional_ptr(gate_bias),
+            _optional_ptr(up_bias),
+            _is_bf16(gate),
+            _ptr(out),
+            out.stride(0),
+            _is_bf16(out),
+            rows,
+            gate.shape[0],
+            inner,
+            _ptr(self._panel_scratch(rows, inner)),
+            torch.get_num_threads(),
         )
         _check(status, "gated_silu")
         return out
@@ -314,7 +441,7 @@ class CpuKernels:
 
     # -- bf16 pair-dot linears (linear_dpbf16.c) --------------------------------------------------
 
-    DP_VARIANTS = {"scalar": 0, "twin": 1, "isa": 2}  # DP_SCALAR, DP_TWIN, DP_ISA
+    DP_VARIANTS: ClassVar[dict[str, int]] = {"scalar": 0, "twin": 1, "isa": 2}  # DP_SCALAR, DP_TWIN, DP_ISA
 
     def dp_variant_runs(self, variant: str) -> bool:
         """Whether this CPU can run the variant ("isa": the CPU reports AVX512-BF16)."""
@@ -330,14 +457,24 @@ class CpuKernels:
             raise KernelError("dp_pack: gate and up weights differ in shape")
         rows, inner = weight.shape
         packed = torch.empty(self._lib.dp_packed_size(rows, inner, int(gated)), dtype=torch.int16)
-        status = self._lib.dp_pack(_ptr(weight), _optional_ptr(up), rows, inner, int(gated), _ptr(packed),
-                                   torch.get_num_threads())
+        status = self._lib.dp_pack(
+            _ptr(weight), _optional_ptr(up), rows, inner, int(gated), _ptr(packed), torch.get_num_threads()
+        )
         _check(status, "dp_pack")
         return packed
 
-    def dp_linear(self, x: torch.Tensor, packed: torch.Tensor, outputs: int, inner: int, variant: str,
-                  bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None, gated: bool = False,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dp_linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        outputs: int,
+        inner: int,
+        variant: str,
+        bias: torch.Tensor | None = None,
+        up_bias: torch.Tensor | None = None,
+        gated: bool = False,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """x [M, K] (bf16, or fp32 rounded to bf16) @ packed W^T (+ fp32 bias) -> [M, N] in `out_dtype`
         (default x's); gated: silu(x @ Wg^T + bias) * (x @ Wu^T + up_bias). See linear_dpbf16.c."""
         x = _unit_stride_rows(x)
@@ -353,9 +490,22 @@ class CpuKernels:
         padded = inner + inner % 2
         scratch = self._dp_scratch(rows * padded)
         status = self._lib.dp_linear(
-            _ptr(x), x.stride(0), _is_bf16(x), _ptr(packed), outputs, inner, int(gated), _optional_ptr(bias),
-            _optional_ptr(up_bias), _ptr(out), out.stride(0), _is_bf16(out), rows, _ptr(scratch),
-            self.DP_VARIANTS[variant], torch.get_num_threads(),
+            _ptr(x),
+            x.stride(0),
+            _is_bf16(x),
+            _ptr(packed),
+            outputs,
+            inner,
+            int(gated),
+            _optional_ptr(bias),
+            _optional_ptr(up_bias),
+            _ptr(out),
+            out.stride(0),
+            _is_bf16(out),
+            rows,
+            _ptr(scratch),
+            self.DP_VARIANTS[variant],
+            torch.get_num_threads(),
         )
         _check(status, "dp_linear")
         return out
@@ -372,13 +522,21 @@ class CpuKernels:
         tokens, width = gate.shape
         out = torch.empty(tokens, width, dtype=torch.float32)
         self._lib.silu_mul_f32(
-            _ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(out), out.stride(0), tokens, width,
+            _ptr(gate),
+            gate.stride(0),
+            _ptr(up),
+            up.stride(0),
+            _ptr(out),
+            out.stride(0),
+            tokens,
+            width,
             torch.get_num_threads(),
         )
         return out
 
-    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def rmsnorm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """RMS norm of each row of D = weight.numel() in fp32 x [T, heads * D] (row stride free).
 
         With `delta` (same shape), the rows of x + delta are normalized. Returns
@@ -389,8 +547,19 @@ class CpuKernels:
         out = torch.empty(tokens, width, dtype=torch.float32)
         total = torch.empty_like(out) if delta is not None else x
         self._lib.rmsnorm_f32(
-            _ptr(x), x.stride(0), _optional_ptr(delta), delta.stride(0) if delta is not None else 0,
-            _ptr(total), total.stride(0), _ptr(weight), eps, _ptr(out), out.stride(0), tokens, width // dim, dim,
+            _ptr(x),
+            x.stride(0),
+            _optional_ptr(delta),
+            delta.stride(0) if delta is not None else 0,
+            _ptr(total),
+            total.stride(0),
+            _ptr(weight),
+            eps,
+            _ptr(out),
+            out.stride(0),
+            tokens,
+            width // dim,
+            dim,
             torch.get_num_threads(),
         )
         return out, total
@@ -400,8 +569,9 @@ class CpuKernels:
         cos, sin [T, D] (rotate-half convention, as transformers' apply_rotary_pos_emb)."""
         tokens = x.shape[0]
         dim = cos.shape[-1]
-        self._lib.rope_f32(_ptr(x), x.stride(0), heads, dim, _ptr(cos), _ptr(sin), cos.stride(0), tokens,
-                           torch.get_num_threads())
+        self._lib.rope_f32(
+            _ptr(x), x.stride(0), heads, dim, _ptr(cos), _ptr(sin), cos.stride(0), tokens, torch.get_num_threads()
+        )
 
 
 def _check_linear_operands(x: torch.Tensor, weights: list[torch.Tensor], biases: list, inner: int) -> None:

@@ -23,13 +23,17 @@ from cbrun.engine.cpu.self_check import Shape
 
 def linear_shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[Shape]:
     """The distinct (N, K) of the model's plain CPU linears of `dtype`: what a method's self-check runs at."""
-    shapes = {Shape(m.out_features, m.in_features) for m in model.modules()
-              if type(m) is torch.nn.Linear and m.weight.dtype == dtype and m.weight.device.type == "cpu"}
+    shapes = {
+        Shape(m.out_features, m.in_features)
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and m.weight.dtype == dtype and m.weight.device.type == "cpu"
+    }
     return sorted(shapes, key=lambda s: (s.inputs, s.outputs))
 
 
-def install_linear_methods(model: torch.nn.Module, kernels: CpuKernels,
-                           methods: dict[torch.dtype, LinearMethod]) -> dict[torch.nn.Linear, LayerMethod]:
+def install_linear_methods(
+    model: torch.nn.Module, kernels: CpuKernels, methods: dict[torch.dtype, LinearMethod]
+) -> dict[torch.nn.Linear, LayerMethod]:
     """Route every nn.Linear whose dtype has a method through a layer method of it; returns them by module.
     (A plain output head is projected by the backend itself, to fp32 logits, with the same layer method.)"""
     layers: dict[torch.nn.Linear, LayerMethod] = {}

@@ -51,16 +51,22 @@ class LinearMethod:
         if type(module) is not torch.nn.Linear:
             return False
         weight, bias = module.weight, module.bias
-        return weight.dtype == self.weight_dtype and weight.device.type == "cpu" and weight.is_contiguous() \
+        return (
+            weight.dtype == self.weight_dtype
+            and weight.device.type == "cpu"
+            and weight.is_contiguous()
             and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+        )
 
-    def make(self, kernels: CpuKernels, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-             gated: bool = False) -> LayerMethod:
+    def make(
+        self, kernels: CpuKernels, weights: list[torch.Tensor], biases: list[torch.Tensor | None], gated: bool = False
+    ) -> LayerMethod:
         """A layer method for `weights` side by side ([N_i, K] each; outputs concatenated), or, with
         `gated`, for gate and up ([N, K] each) giving silu(x @ gate^T + b) * (x @ up^T + b)."""
         if self.kernel == "linear":
-            return _InPlaceLinear(kernels, [w.detach() for w in weights],
-                                  [b.detach() if b is not None else None for b in biases], gated)
+            return _InPlaceLinear(
+                kernels, [w.detach() for w in weights], [b.detach() if b is not None else None for b in biases], gated
+            )
         if self.kernel == "dp":
             return _PairDotLinear(kernels, self.variant, weights, biases, gated)
         if self.kernel == "onednn":
@@ -87,8 +93,9 @@ def _fp32_bias(biases: list[torch.Tensor | None], widths: list[int]) -> torch.Te
 class _InPlaceLinear:
     """linear.c: fp32 (or bf16, widened) weights read in place, several sharing x in one pass."""
 
-    def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                 gated: bool) -> None:
+    def __init__(
+        self, kernels: CpuKernels, weights: list[torch.Tensor], biases: list[torch.Tensor | None], gated: bool
+    ) -> None:
         self.kernels, self.weights, self.biases, self.gated = kernels, weights, biases, gated
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -104,8 +111,14 @@ class _InPlaceLinear:
 class _PairDotLinear:
     """linear_dpbf16.c: bf16 weights packed once into pair-interleaved blocks; one variant's kernel."""
 
-    def __init__(self, kernels: CpuKernels, variant: str, weights: list[torch.Tensor],
-                 biases: list[torch.Tensor | None], gated: bool) -> None:
+    def __init__(
+        self,
+        kernels: CpuKernels,
+        variant: str,
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor | None],
+        gated: bool,
+    ) -> None:
         self.kernels, self.variant, self.gated = kernels, variant, gated
         self.inner = weights[0].shape[1]
         if gated:
@@ -122,8 +135,9 @@ class _PairDotLinear:
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        out = self.kernels.dp_linear(rows, self.packed, self.outputs, self.inner, self.variant, self.bias,
-                                     self.up_bias, self.gated, out_dtype)  # [M, N]
+        out = self.kernels.dp_linear(
+            rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, self.gated, out_dtype
+        )  # [M, N]
         return out.view(*x.shape[:-1], self.outputs)
 
 
@@ -147,8 +161,10 @@ class _BlockedOneDnn:
         padded = -(-count // self.BLOCK) * self.BLOCK
         if padded != count:
             rows = torch.cat([rows, rows.new_zeros(padded - count, rows.shape[1])])
-        blocks = [torch.ops.mkldnn._linear_pointwise(rows[i:i + self.BLOCK], self.packed, self.bias, "none", [], "")
-                  for i in range(0, padded, self.BLOCK)]
+        blocks = [
+            torch.ops.mkldnn._linear_pointwise(rows[i : i + self.BLOCK], self.packed, self.bias, "none", [], "")
+            for i in range(0, padded, self.BLOCK)
+        ]
         out = torch.cat(blocks)[:count]  # [M, N or 2N] bf16
         if self.gated:
             gate, up = out.float().split(self.outputs, dim=1)

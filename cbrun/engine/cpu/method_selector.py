@@ -50,13 +50,20 @@ class MethodChoice:
         chosen = next(c for c in self.checks if c.method == self.method.name)
         skipped = [f"{c.method} ({c.detail})" for c in self.checks if not c.passed]
         bits = "the same bits on every CPU" if self.method.portable else "this CPU's own bits"
-        text = f"{name}: {self.method.name} ({bits}; self-check {chosen.detail}" \
-               f"{', cached' if chosen.cached else f', {chosen.seconds:.2f} s'})"
+        text = (
+            f"{name}: {self.method.name} ({bits}; self-check {chosen.detail}"
+            f"{', cached' if chosen.cached else f', {chosen.seconds:.2f} s'})"
+        )
         return text + (f"; skipped {'; '.join(skipped)}" if skipped else "")
 
 
-def choose_linear_method(kernels: CpuKernels, dtype: torch.dtype, shapes: list[Shape], policy: str = "portable",
-                         candidates: list[LinearMethod] | None = None) -> MethodChoice:
+def choose_linear_method(
+    kernels: CpuKernels,
+    dtype: torch.dtype,
+    shapes: list[Shape],
+    policy: str = "portable",
+    candidates: list[LinearMethod] | None = None,
+) -> MethodChoice:
     """The first candidate that passes its self-check at `shapes` ("fastest": the quickest of the
     passing machine-local and ISA methods, by a timed trial), or a choice with no method."""
     if policy not in KERNEL_POLICIES:

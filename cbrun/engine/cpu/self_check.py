@@ -65,11 +65,16 @@ class CheckResult:
     cached: bool = False
 
 
-def check_method(kernels: CpuKernels, method: LinearMethod, shapes: list[Shape], *, timed: bool = False,
-                 cache_key: str | None = None) -> CheckResult:
+def check_method(
+    kernels: CpuKernels, method: LinearMethod, shapes: list[Shape], *, timed: bool = False, cache_key: str | None = None
+) -> CheckResult:
     """Run (or read from the cache) `method`'s self-check at `shapes`; `timed` adds a speed trial."""
-    key = f"{cache_key}|{method.name}|{torch.__version__}|{torch.get_num_threads()}|{timed}|" \
-          + ",".join(map(str, sorted(shapes, key=str))) if cache_key else None
+    key = (
+        f"{cache_key}|{method.name}|{torch.__version__}|{torch.get_num_threads()}|{timed}|"
+        + ",".join(map(str, sorted(shapes, key=str)))
+        if cache_key
+        else None
+    )
     if key is not None and (stored := _read_cache().get(key)) is not None:
         return CheckResult(**{**stored, "seconds": 0.0, "cached": True})
     started = time.perf_counter()
@@ -91,32 +96,37 @@ def _run(kernels: CpuKernels, method: LinearMethod, shapes: list[Shape], timed: 
     generator = torch.Generator().manual_seed(1234)
     for shape in shapes:
         layer, reference = _probe_layers(kernels, method, shape, generator)
-        crowd = torch.randn(max(size for size, _ in _CROWDS) + _PROBE_ROWS, shape.inputs,
-                            generator=generator).to(method.weight_dtype)  # [R, K]
+        crowd = torch.randn(max(size for size, _ in _CROWDS) + _PROBE_ROWS, shape.inputs, generator=generator).to(
+            method.weight_dtype
+        )  # [R, K]
         for row in range(_PROBE_ROWS):
-            alone = layer(crowd[row:row + 1], torch.float32)[0]
+            alone = layer(crowd[row : row + 1], torch.float32)[0]
             for size, position in _CROWDS:
-                batch = crowd[_PROBE_ROWS:_PROBE_ROWS + size].clone()
+                batch = crowd[_PROBE_ROWS : _PROBE_ROWS + size].clone()
                 batch[position] = crowd[row]
                 if not _same_bits(layer(batch, torch.float32)[position], alone):
-                    return f"not batch-invariant at {shape}: row {row} differs at position {position} of " \
-                           f"{size}", 0.0
+                    return f"not batch-invariant at {shape}: row {row} differs at position {position} of {size}", 0.0
         if reference is not None:
             for name, rows in (("typical", crowd[:_PROBE_ROWS]), ("tiny", _tiny_rows(shape, generator))):
                 if not _same_bits(layer(rows, torch.float32), reference(rows, torch.float32)):
                     return f"differs from the plain-C reference at {shape} on {name} values", 0.0
         if timed:
             trial_ms += _time_call(layer, crowd[:_TRIAL_ROWS])
-    checks = "invariance" + (" and equality with the plain-C reference" if method.kernel == "dp"
-                             and method.variant != "scalar" else "")
+    checks = "invariance" + (
+        " and equality with the plain-C reference" if method.kernel == "dp" and method.variant != "scalar" else ""
+    )
     return f"ok: {checks} at {len(shapes)} shapes", trial_ms
 
 
 def _probe_layers(kernels: CpuKernels, method: LinearMethod, shape: Shape, generator: torch.Generator):
     """The method's layer on random weights of `shape` (and bias), and the reference's where it has one."""
     count = 2 if shape.gated else 1
-    weights = [(torch.randn(shape.outputs, shape.inputs, generator=generator) / shape.inputs ** 0.5)
-               .to(method.weight_dtype).contiguous() for _ in range(count)]
+    weights = [
+        (torch.randn(shape.outputs, shape.inputs, generator=generator) / shape.inputs**0.5)
+        .to(method.weight_dtype)
+        .contiguous()
+        for _ in range(count)
+    ]
     biases = [torch.randn(shape.outputs, generator=generator).to(method.weight_dtype) for _ in range(count)]
     layer = method.make(kernels, weights, biases, gated=shape.gated)
     reference = None
@@ -131,10 +141,14 @@ def _tiny_rows(shape: Shape, generator: torch.Generator) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16 if a.element_size() == 2
-                                                                           else torch.int32),
-                                                                    b.view(torch.int16 if b.element_size() == 2
-                                                                           else torch.int32))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(
+            a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+            b.view(torch.int16 if b.element_size() == 2 else torch.int32),
+        )
+    )
 
 
 def _time_call(layer, rows: torch.Tensor) -> float:
@@ -148,6 +162,7 @@ def _time_call(layer, rows: torch.Tensor) -> float:
 
 
 # -- the cache -----------------------------------------------------------------------------------
+
 
 def cache_path() -> Path:
     from cbrun.engine.cpu.kernels import _cache_root

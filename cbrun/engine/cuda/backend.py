@@ -92,8 +92,19 @@ class CudaBackend(TorchBackend):
         from cbrun.engine.cuda.triton_attention import paged_attention
 
         blocks, block_rows = rows.plan
-        return paged_attention(query.transpose(0, 1), k_pool, v_pool, rows.tables, rows.row_seq, rows.first_page,
-                               rows.kv_len, rows.kv_lo, scale, query_blocks=blocks, block_rows=block_rows)
+        return paged_attention(
+            query.transpose(0, 1),
+            k_pool,
+            v_pool,
+            rows.tables,
+            rows.row_seq,
+            rows.first_page,
+            rows.kv_len,
+            rows.kv_lo,
+            scale,
+            query_blocks=blocks,
+            block_rows=block_rows,
+        )
 
     def describe(self) -> str:
         attention = "Triton paged attention" if self.attends_rows else f"torch attention: {self.why_not}"
@@ -101,7 +112,7 @@ class CudaBackend(TorchBackend):
 
 
 def _probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> str:
-    """"" when the kernel compiles here and matches the torch reference on a small step, else why not."""
+    """ "" when the kernel compiles here and matches the torch reference on a small step, else why not."""
     from cbrun.engine.cuda.triton_attention import paged_attention, reference_paged_attention
 
     generator = torch.Generator().manual_seed(0)
@@ -109,8 +120,16 @@ def _probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, 
     pools = [torch.randn(kv_heads, blocks, page, dim, generator=generator).to(device, dtype) for _ in range(2)]
     q = torch.randn(3, heads, dim, generator=generator).to(device, dtype)  # [R, H, D]: a decode and a 2-token chunk
     as_long = dict(dtype=torch.long, device=device)
-    args = (q, *pools, torch.tensor([[4, 1, 0], [2, 5, 3]], **as_long), torch.tensor([0, 1, 1], **as_long),
-            torch.zeros(2, **as_long), torch.tensor([37, 20, 21], **as_long), torch.zeros(3, **as_long), dim ** -0.5)
+    args = (
+        q,
+        *pools,
+        torch.tensor([[4, 1, 0], [2, 5, 3]], **as_long),
+        torch.tensor([0, 1, 1], **as_long),
+        torch.zeros(2, **as_long),
+        torch.tensor([37, 20, 21], **as_long),
+        torch.zeros(3, **as_long),
+        dim**-0.5,
+    )
     try:
         got = paged_attention(*args)
     except Exception as exc:  # no compiler for this GPU, too little shared memory, an old Triton

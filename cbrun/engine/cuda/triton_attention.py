@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -108,10 +109,19 @@ def plan_query_blocks(row_seq: list[int] | torch.Tensor, block_rows: int) -> tor
     return torch.stack([first_row, num_rows], dim=1).to(torch.int32)  # [NB, 2]
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                    row_seq: torch.Tensor, first_page: torch.Tensor, kv_len: torch.Tensor, kv_lo: torch.Tensor,
-                    scale: float, query_blocks: torch.Tensor | None = None,
-                    block_rows: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    row_seq: torch.Tensor,
+    first_page: torch.Tensor,
+    kv_len: torch.Tensor,
+    kv_lo: torch.Tensor,
+    scale: float,
+    query_blocks: torch.Tensor | None = None,
+    block_rows: int | None = None,
+) -> torch.Tensor:
     """out [R, H, D]; query_blocks from plan_query_blocks (built on host once per step and shared by all layers);
     None: plan here (this reads row_seq on the host, a synchronisation).
 
@@ -138,21 +148,39 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     grid = (blocks.shape[0], num_kv)
     tables = tables.to(q.device)  # [S, max_pages], any strides
     kernel[grid](
-        q, k_pool, v_pool, out, tables, _on(row_seq, q), _on(first_page, q), _on(kv_len, q), _on(kv_lo, q), blocks,
+        q,
+        k_pool,
+        v_pool,
+        out,
+        tables,
+        _on(row_seq, q),
+        _on(first_page, q),
+        _on(kv_len, q),
+        _on(kv_lo, q),
+        blocks,
         scale * LOG2E,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(), *tables.stride(),
-        GROUP=group, PAGE=page, HEAD_DIM=head_dim, **_dot_options(q.dtype), **sizes,
+        *q.stride(),
+        *k_pool.stride(),
+        *v_pool.stride(),
+        *out.stride(),
+        *tables.stride(),
+        GROUP=group,
+        PAGE=page,
+        HEAD_DIM=head_dim,
+        **_dot_options(q.dtype),
+        **sizes,
     )
     return out
 
 
 def _check_shapes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, num_kv: int, pool_dim: int) -> None:
     if q.dim() != 3 or k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"want q [R, H, D] and pools [H_kv, NB, page, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
+        raise ValueError(
+            f"want q [R, H, D] and pools [H_kv, NB, page, D]; got {tuple(q.shape)}, "
+            f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)}"
+        )
     if q.shape[1] % num_kv or q.shape[2] != pool_dim:
-        raise ValueError(f"{q.shape[1]} query heads of dim {q.shape[2]} do not fit "
-                         f"{num_kv} kv heads of dim {pool_dim}")
+        raise ValueError(f"{q.shape[1]} query heads of dim {q.shape[2]} do not fit {num_kv} kv heads of dim {pool_dim}")
     if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError(f"q and pools must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
 
@@ -190,8 +218,14 @@ def _tile_sizes(group: int, block_rows: int, head_dim: int) -> dict[str, int]:
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
     num_warps = 4 if block_m * block_d <= 64 * 128 else 8  # the [M, Dp] fp32 accumulator lives in registers
-    return dict(BLOCK_ROWS=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                num_warps=num_warps, num_stages=2)  # 2 stages of K and V tiles fit shared memory even in fp32
+    return dict(
+        BLOCK_ROWS=block_m // group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        num_stages=2,
+    )  # 2 stages of K and V tiles fit shared memory even in fp32
 
 
 @functools.cache
@@ -205,15 +239,42 @@ def _kernel(interpret: bool) -> Callable[..., Any]:
 
 
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, row_seq_ptr, first_page_ptr, kv_len_ptr, kv_lo_ptr, blocks_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    tables_ptr,
+    row_seq_ptr,
+    first_page_ptr,
+    kv_len_ptr,
+    kv_lo_ptr,
+    blocks_ptr,
     qk_scale,  # softmax scale * log2(e)
-    stride_qr, stride_qh, stride_qd,
-    stride_kh, stride_kb, stride_ko, stride_kd,
-    stride_vh, stride_vb, stride_vo, stride_vd,
-    stride_or, stride_oh, stride_od,
-    stride_ts, stride_tp,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_qr,
+    stride_qh,
+    stride_qd,
+    stride_kh,
+    stride_kb,
+    stride_ko,
+    stride_kd,
+    stride_vh,
+    stride_vb,
+    stride_vo,
+    stride_vd,
+    stride_or,
+    stride_oh,
+    stride_od,
+    stride_ts,
+    stride_tp,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One program: query block program_id(0) x kv head program_id(1); M slot m = (row m // G, head m % G)."""
     kv_head = tl.program_id(1)
@@ -281,9 +342,17 @@ def _paged_attention_kernel(
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def reference_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                              row_seq: torch.Tensor, first_page: torch.Tensor, kv_len: torch.Tensor,
-                              kv_lo: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    row_seq: torch.Tensor,
+    first_page: torch.Tensor,
+    kv_len: torch.Tensor,
+    kv_lo: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The definition, in fp32 torch: each row gathers its keys kv_lo[r] <= p < kv_len[r] and attends. [R, H, D]"""
     num_rows, num_heads, head_dim = q.shape
     num_kv, _, page, _ = k_pool.shape
@@ -304,10 +373,10 @@ def reference_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
 
 __all__ = [
     "default_block_rows",
+    "interpret_mode",
     "paged_attention",
     "plan_query_blocks",
     "reference_paged_attention",
-    "interpret_mode",
     "triton_available",
     "triton_importable",
 ]
