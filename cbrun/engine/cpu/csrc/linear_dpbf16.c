@@ -290,11 +290,35 @@ typedef struct {
   int64_t ldy, N;
 } dp_target;
 
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* 16 fp32 lanes stored as bf16 (16 lanes of f32_to_bf16: round to nearest even, NaNs kept quiet). */
+static inline void dp_store16(void* y, int64_t at, int y_bf16, v16f x) {
+  if (!y_bf16) {
+    store16_f32((float*)y + at, x);
+    return;
+  }
+  const v16u u = (v16u)x;
+  const v16u rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
+  const v16u nan = (v16u)(x != x);
+  const v16u half = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
+  const v16h out = __builtin_convertvector(half, v16h);
+  memcpy((uint16_t*)y + at, &out, sizeof out);
+}
+
 /* Rows m.. of block b's sums: + bias, (gated: silu(gate) * up, 16 lanes at a time), stored. */
 static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile acc) {
   if (!t->gated) {
     const int64_t n0 = b * DP_BLOCK;
     const int cols = t->N - n0 < DP_BLOCK ? (int)(t->N - n0) : DP_BLOCK;
+    if (cols == DP_BLOCK) { /* a whole block: 16 lanes at a time, the same arithmetic as below */
+      for (int r = 0; r < rows; ++r)
+        for (int h = 0; h < DP_BLOCK; h += 16) {
+          const v16f sums = load16_f32(acc[r] + h);
+          dp_store16(t->y, (m + r) * t->ldy + n0 + h, t->y_bf16, t->bias ? sums + load16_f32(t->bias + n0 + h) : sums);
+        }
+      return;
+    }
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < cols; ++j)
         dp_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, t->bias ? acc[r][j] + t->bias[n0 + j] : acc[r][j]);
@@ -310,8 +334,11 @@ static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile 
   }
   for (int r = 0; r < rows; ++r) {
     const v16f g = load16_f32(acc[r]) + load16_f32(bg), u = load16_f32(acc[r] + half) + load16_f32(bu);
-    float out[16];
-    store16_f32(out, g / (splat16(1.f) + exp16(-g)) * u);
+    const v16f out = g / (splat16(1.f) + exp16(-g)) * u;
+    if (cols == half) {
+      dp_store16(t->y, (m + r) * t->ldy + n0, t->y_bf16, out);
+      continue;
+    }
     for (int j = 0; j < cols; ++j) dp_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, out[j]);
   }
 }
