@@ -210,10 +210,12 @@ class SamplingParams:
     masked_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.structured, dict):
-            object.__setattr__(self, "structured", StructuredSpec.from_fields(**self.structured))
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        structured: object = self.structured  # callers may pass the fields as a dict
+        if isinstance(structured, dict):
+            object.__setattr__(self, "structured", StructuredSpec.from_fields(**structured))
+        stop: object = self.stop  # callers may pass one string
+        if isinstance(stop, str):
+            object.__setattr__(self, "stop", (stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -255,7 +257,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    def with_(self, **changes) -> SamplingParams:
+    def with_(self, **changes: Any) -> SamplingParams:
         """A copy with some fields replaced (validated again)."""
         return replace(self, **changes)
 

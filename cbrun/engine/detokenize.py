@@ -8,13 +8,14 @@ end, and cut at the first stop string.
 
 from __future__ import annotations
 
+from cbrun.engine.model_spec import Tokenizer
 from cbrun.engine.request import Request
 
 _TAIL_SLACK = 8  # extra tokens decoded beyond the longest stop string
 
 
 class Detokenizer:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
 
     def decode(self, token_ids: list[int]) -> str:

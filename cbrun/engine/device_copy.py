@@ -16,13 +16,16 @@ would recompile it. On the CPU nothing moves.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 ALIGN_BYTES = 128  # where each tensor starts in the shared buffer (Triton specializes on pointer alignment)
 
 
-def to_device(batch, device: torch.device):
+def to_device(batch: T, device: torch.device) -> T:
     """`batch` (a dataclass tree of tensors, lists and nested dataclasses) with its tensors on `device`."""
     if device.type == "cpu":
         return batch
@@ -32,7 +35,7 @@ def to_device(batch, device: torch.device):
     return _rebuild(batch, moved)
 
 
-def _collect(value, out: list[torch.Tensor]) -> None:
+def _collect(value: object, out: list[torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu":
             out.append(value)
@@ -70,7 +73,7 @@ def _send(tensors: list[torch.Tensor], device: torch.device) -> dict[int, torch.
     return moved
 
 
-def _rebuild(value, moved: dict[int, torch.Tensor]):
+def _rebuild(value: Any, moved: dict[int, torch.Tensor]) -> Any:  # any tree of dataclasses and containers
     if isinstance(value, torch.Tensor):
         return moved.get(id(value), value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

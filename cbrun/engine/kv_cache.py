@@ -244,7 +244,9 @@ class KVCacheManager:
     def hashes_between(self, key: RequestKey, token_ids: Sequence[int], start: int, end: int) -> list[bytes]:
         if not self.sharing:
             return []
-        return self.allocators["full"].hashes_between(key, token_ids, start, end)
+        full = self.allocators["full"]
+        assert isinstance(full, FullAttentionAllocator)  # sharing implies no sliding window: "full" is one
+        return full.hashes_between(key, token_ids, start, end)
 
     def exclusive_blocks(self, key: RequestKey) -> int:
         """Blocks that freeing this request would return to the pool."""

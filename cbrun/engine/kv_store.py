@@ -77,10 +77,12 @@ class KVStore:
     def prefault(self, num_blocks: int) -> None:
         """Touch the memory of blocks [0, num_blocks) in every layer, K and V (the ids handed out first)."""
         if num_blocks > 0:
+            assert self.data is not None, "the pools are released (asleep)"
             self.data[:, :, :, :num_blocks].zero_()
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pools of one layer, each [H_kv, num_blocks, page, D]."""
+        assert self.data is not None, "the pools are released (asleep)"
         return self.data[layer_idx, 0], self.data[layer_idx, 1]
 
     @property

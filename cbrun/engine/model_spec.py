@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from cbrun.engine.kv_store import KVShape
+
+# A transformers causal LM and its tokenizer: their attributes (config, model, lm_head, layers; encode,
+# eos_token_id) differ by architecture and are read dynamically, so they are typed as Any.
+CausalLM = Any
+Tokenizer = Any
 
 
 class UnsupportedModelError(ValueError):
@@ -33,7 +39,7 @@ class ModelSpec:
         return len(set(self.layer_groups)) > 1
 
 
-def read_model_spec(model, tokenizer) -> ModelSpec:
+def read_model_spec(model: CausalLM, tokenizer: Tokenizer) -> ModelSpec:
     """Derive cache shape, layer attention types, limits and EOS ids from a loaded model."""
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
@@ -59,13 +65,13 @@ def read_model_spec(model, tokenizer) -> ModelSpec:
     )
 
 
-def _softcaps_attention(config) -> bool:
+def _softcaps_attention(config: Any) -> bool:
     """Whether the model soft-caps its attention scores (Gemma 2's attn_logit_softcapping)."""
     configs = (config, getattr(config, "text_config", None))
     return any(getattr(c, "attn_logit_softcapping", None) for c in configs if c is not None)
 
 
-def _layer_groups(config) -> tuple[tuple[str, ...], int | None]:
+def _layer_groups(config: Any) -> tuple[tuple[str, ...], int | None]:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
@@ -84,7 +90,7 @@ def _layer_groups(config) -> tuple[tuple[str, ...], int | None]:
     return groups, window
 
 
-def _eos_ids(model, tokenizer) -> frozenset[int]:
+def _eos_ids(model: CausalLM, tokenizer: Tokenizer) -> frozenset[int]:
     """EOS ids as model.generate sees them: generation config first, then model config, then tokenizer."""
     generation = getattr(model, "generation_config", None)
     for source in (
@@ -99,5 +105,5 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset()
 
 
-def default_device(model) -> torch.device:
+def default_device(model: CausalLM) -> torch.device:
     return next(model.parameters()).device

@@ -65,8 +65,9 @@ class CpuOffloadPreemptor(SoftResetPreemptor):
     def __init__(self, cache: KVCacheManager, store: KVStore, swap_blocks: int) -> None:
         super().__init__(cache)
         self.store = store
-        self.swap = _zeros_like_pool(store, swap_blocks)  # [layers, 2, H_kv, swap_blocks, page, D]
+        self.swap: torch.Tensor | None = _zeros_like_pool(store, swap_blocks)  # [layers, 2, H_kv, swap_blocks, page, D]
         self._free_swap = list(range(swap_blocks - 1, -1, -1))
+        self._swap_blocks = swap_blocks
         self._saved: dict[object, list[SavedGroup]] = {}
 
     def preempt(self, requests: list[Request]) -> None:
@@ -81,6 +82,7 @@ class CpuOffloadPreemptor(SoftResetPreemptor):
             return
         pool_ids = [b for _, groups in moving for g in groups for b in g.pool_blocks]
         swap_ids = [s for _, groups in moving for g in groups for s in g.swap_blocks]
+        assert self.store.data is not None and self.swap is not None  # preemption runs only while awake
         self._copy(self.store.data, pool_ids, self.swap, swap_ids)
         for request, groups in moving:
             self.cache.free(request.key)
@@ -106,11 +108,14 @@ class CpuOffloadPreemptor(SoftResetPreemptor):
         if needed > self.cache.pool.num_free:
             return False
         for group in groups:
-            group.pool_blocks = self.cache.pool.allocate(len(group.swap_blocks))
+            blocks = self.cache.pool.allocate(len(group.swap_blocks))
+            assert blocks is not None  # the pool has room for all groups (checked above)
+            group.pool_blocks = blocks
             self.cache.allocators[group.name].adopt(request.key, group.pool_blocks, group.first_page)
         if not self.cache.allocate(request.key, num_tokens):
             self.cache.free(request.key)
             return False
+        assert self.store.data is not None and self.swap is not None  # restores run only while awake
         self._copy(
             self.swap,
             [s for g in groups for s in g.swap_blocks],
@@ -130,15 +135,14 @@ class CpuOffloadPreemptor(SoftResetPreemptor):
         """Drop the swap pool and whatever it holds (KV computed with the weights of the time)."""
         if self._saved:
             raise RuntimeError("offloaded requests still hold swapped-out KV pages")
-        self._swap_blocks = self.swap.shape[3]
-        self.swap = None
+        self.swap = None  # `_swap_blocks` keeps its size for `reallocate`
 
     def reallocate(self) -> None:
         if self.swap is None:
             self.swap = _zeros_like_pool(self.store, self._swap_blocks)
 
     @staticmethod
-    def _copy(source, source_ids: list[int], target, target_ids: list[int]) -> None:
+    def _copy(source: torch.Tensor, source_ids: list[int], target: torch.Tensor, target_ids: list[int]) -> None:
         """target[..., target_ids, :, :] = source[..., source_ids, :, :] in one gather and one scatter."""
         src = torch.tensor(source_ids, dtype=torch.long, device=source.device)
         dst = torch.tensor(target_ids, dtype=torch.long, device=target.device)
@@ -161,6 +165,7 @@ def _zeros_like_pool(store: KVStore, blocks: int) -> torch.Tensor:
 
     Pinned for GPU copies, else lazily zeroed (kv_store.zeros).
     """
+    assert store.data is not None  # the swap pool is made while the store is allocated
     shape = list(store.data.shape)
     shape[3] = blocks
     if store.device.type == "cuda":
@@ -168,7 +173,7 @@ def _zeros_like_pool(store: KVStore, blocks: int) -> torch.Tensor:
     return zeros(tuple(shape), store.data.dtype, torch.device("cpu"))
 
 
-def make_preemptor(cache: KVCacheManager, store: KVStore, offload_gib: float):
+def make_preemptor(cache: KVCacheManager, store: KVStore, offload_gib: float) -> SoftResetPreemptor:
     """Soft reset alone, or CPU offload with soft reset as the fallback."""
     per_block = store.shape.bytes_per_block(store.page_size)
     swap_blocks = int(offload_gib * 2**30) // per_block

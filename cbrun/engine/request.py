@@ -235,6 +235,7 @@ class Request:
         return self._generation_output()
 
     def _score_output(self) -> GenerationOutput:
+        assert self.score is not None
         prompt = None if self.prompt_logprobs is None else [None, *self.prompt_logprobs]
         return GenerationOutput(
             request_id=self.request_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import overload
 
 from cbrun.engine.request import GenerationOutput
 
@@ -46,6 +47,12 @@ class ResultStore:
                 return
             self._order.append(output)
             self._cond.notify_all()
+
+    @overload
+    def get(self, request_id: str | None, timeout: None) -> GenerationOutput: ...  # waits until there is one
+
+    @overload
+    def get(self, request_id: str | None, timeout: float | None) -> GenerationOutput | None: ...
 
     def get(self, request_id: str | None, timeout: float | None) -> GenerationOutput | None:
         deadline = None if timeout is None else time.monotonic() + timeout

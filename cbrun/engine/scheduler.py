@@ -35,6 +35,10 @@ class Preemptor(Protocol):
         """Give an offloaded request slots for `num_tokens` tokens and its KV back; False if no room."""
         ...
 
+    def discard(self, request: Request) -> None:
+        """Forget whatever the preemptor keeps for a request that leaves for good (its offloaded KV)."""
+        ...
+
 
 @dataclass
 class ScheduledBatch:
@@ -162,11 +166,13 @@ class Scheduler:
         instead of computing the same prefix again.
         """
         pool = self.cache.pool
+        margin = self.config.safety_margin
+        assert margin is not None  # EngineConfig.__post_init__ resolves None to the scheduler's default
         inflight = self._inflight_hashes(batch)
         index = 0
         while index < len(self.waiting) and budget > 0 and slots > 0:
             request = self.waiting[index]
-            if self.running and pool.num_free < self.config.safety_margin * pool.num_blocks:
+            if self.running and pool.num_free < margin * pool.num_blocks:
                 return  # keep the margin for running decodes
             if request.status is not RequestStatus.OFFLOADED and request.num_computed_tokens == 0:
                 self._attach_prefix(request)
@@ -232,7 +238,7 @@ class Scheduler:
         """Raise AssertionError if a request is queued twice or holds foreign blocks."""
         keys = [r.key for r in self.running] + [r.key for r in self.waiting]
         assert len(keys) == len(set(keys)), "a request is queued twice"
-        owners: dict[int, object] = {}
+        owners: dict[tuple[str, int], object] = {}  # (allocator, block) -> request key
         for name, allocator in self.cache.allocators.items():
             for key, table in allocator.tables.items():
                 for block in table:

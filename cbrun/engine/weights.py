@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 WeightSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike
+StashTarget = str | os.PathLike | MutableMapping | None  # where a level-2 sleep parks the weights (WeightStash)
 
 
 def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
@@ -95,7 +96,7 @@ class WeightStash:
     """The model's parameters while the engine sleeps at level 2: in a safetensors file, or in a dict
     the caller named (the tensors are handed over as they are, no copy)."""
 
-    def __init__(self, model: torch.nn.Module, target: str | os.PathLike | MutableMapping | None) -> None:
+    def __init__(self, model: torch.nn.Module, target: StashTarget) -> None:
         self.model = model
         params = dict(model.named_parameters())  # tied weights once
         self.buffer: MutableMapping | None = None
@@ -124,6 +125,7 @@ class WeightStash:
         for name, param in self.model.named_parameters():
             param.data = saved[name]
         if self._owns_file:
+            assert self.path is not None  # a stash owns only a file it wrote
             self.path.unlink(missing_ok=True)
 
 
