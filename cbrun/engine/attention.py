@@ -19,10 +19,13 @@ causality.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import AttentionInterface
 
 from cbrun.engine import torch_attention
+from cbrun.engine.backend import TorchBackend
 from cbrun.engine.batch import PagedBatch
 
 ATTENTION_NAME = "cbrun_paged"
@@ -31,7 +34,7 @@ BACKEND_KWARG = "cbrun_backend"  # the engine's compute backend (backend.py), wh
 
 
 def paged_attention(
-    module,
+    module: Any,  # the layer's transformers attention module (its layer_idx is read)
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -39,13 +42,13 @@ def paged_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     softcap: float | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """`softcap` (Gemma 2) caps the scores as `softcap * tanh(s / softcap)`; the compiled kernels do not,
     so the engine lays a soft-capped model's steps out for the torch paths (its backend's
     `attends_rows` is False)."""
     batch: PagedBatch = kwargs[BATCH_KWARG]
-    backend = kwargs[BACKEND_KWARG]
+    backend: TorchBackend = kwargs[BACKEND_KWARG]
     layer = module.layer_idx
     layout = batch.groups[batch.layer_groups[layer]]
     k_pool, v_pool = batch.store.layer(layer)  # each [H_kv, NB, page, D]
@@ -55,6 +58,7 @@ def paged_attention(
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
     if batch.num_rows:
         q = query[0, :, : batch.num_rows]  # [H, R, D]
+        assert layout.decode is not None  # row-attended tokens have their layout
         out[: batch.num_rows] = backend.attend_rows(q, k_pool, v_pool, layout.decode, scale, softcap)  # [R, H, D]
     for seq in layout.prefills:
         out[seq.start : seq.end] = torch_attention.prefill(query, key, value, k_pool, v_pool, seq, scale, softcap)

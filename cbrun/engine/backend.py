@@ -20,13 +20,16 @@ torch ops on any device, gathering each row's pages into a padded copy.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from cbrun.engine import torch_attention
+from cbrun.engine.batch import DecodeLayout, SequenceRows
 from cbrun.engine.config import BACKEND_NAMES
-from cbrun.engine.model_spec import ModelSpec
+from cbrun.engine.model_spec import CausalLM, ModelSpec
+from cbrun.engine.request import Request
 from cbrun.engine.sampler import Sampled, sample
 from cbrun.engine.scoring import ScoredRows, score_logits
 
@@ -49,13 +52,13 @@ class TorchBackend:
     name = "torch"
     attends_rows = False  # every query token a row with its own key range (the kernels' layout)
 
-    def install(self, model, spec: ModelSpec) -> None:
+    def install(self, model: CausalLM, spec: ModelSpec) -> None:
         """Patch what the backend runs itself into the model (nothing for torch)."""
 
     def close(self) -> None:
         """Give the model back as it came (apart from its attention implementation)."""
 
-    def plan_rows(self, seqs, page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
+    def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor | int, ...]:
         """Extra per-step tensors the row attention wants for these sequences (kernel backends only)."""
         return ()
 
@@ -66,7 +69,13 @@ class TorchBackend:
         torch_attention.write(k_pool, v_pool, key, value, slots)
 
     def attend_rows(
-        self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows, scale: float, softcap: float | None
+        self,
+        query: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        rows: DecodeLayout,
+        scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys -> [R, H, D] (the torch path; kernels override)."""
         return torch_attention.decode(query, k_pool, v_pool, rows.per_row(), scale, softcap)
@@ -75,7 +84,7 @@ class TorchBackend:
         """The output head: rows [n, hidden] -> fp32 logits [n, V]."""
         return F.linear(rows, head.weight, head.bias).float()
 
-    def sample(self, logits: torch.Tensor, requests) -> Sampled:
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> Sampled:
         """One token per row of fp32 logits [N, V] for the matching request."""
         return sample(logits, requests)
 
@@ -87,7 +96,7 @@ class TorchBackend:
         return self.name
 
 
-def choose_backend(model, name: str, spec: ModelSpec, kernels: str = "portable"):
+def choose_backend(model: CausalLM, name: str, spec: ModelSpec, kernels: str = "portable") -> TorchBackend:
     """The backend `name` ("auto", "cpu", "torch", "triton") for the model's device, installed on the model.
 
     "auto": the compiled kernels on CPU (torch when they cannot be built),
@@ -104,7 +113,7 @@ def choose_backend(model, name: str, spec: ModelSpec, kernels: str = "portable")
     return backend
 
 
-def _pick(name: str, device: torch.device, policy: str):
+def _pick(name: str, device: torch.device, policy: str) -> TorchBackend:
     if name == "torch":
         return TorchBackend()
     if name in ("auto", "cpu") and device.type == "cpu":

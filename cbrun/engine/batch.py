@@ -22,7 +22,9 @@ the host and reach an accelerator in one copy per dtype (device_copy.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +32,9 @@ from cbrun.engine.device_copy import to_device
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
 from cbrun.engine.request import Request
+
+if TYPE_CHECKING:  # backend.py imports this module (through torch_attention.py)
+    from cbrun.engine.backend import TorchBackend
 
 
 @dataclass
@@ -137,7 +142,7 @@ class BatchBuilder:
         page_size: int,
         sliding_window: int | None,
         device: torch.device,
-        backend,
+        backend: TorchBackend,
     ) -> None:
         self.backend = backend  # attends_rows: every token a row; plan_rows: its per-step plan
         self.cache = cache
@@ -173,18 +178,17 @@ class BatchBuilder:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(request)
         groups = {name: self._layout(name, items, len(row_items)) for name in self.cache.allocators}
-        as_long = dict(dtype=torch.long)
         batch = PagedBatch(
-            input_ids=torch.tensor([ids], **as_long),
-            position_ids=torch.tensor([positions], **as_long),
-            logits_indices=torch.tensor(logits_rows, **as_long),
+            input_ids=torch.tensor([ids], dtype=torch.long),
+            position_ids=torch.tensor([positions], dtype=torch.long),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long),
             sampled=sampled,
             num_decode=sum(1 for _, count in items if count == 1),
             num_rows=sum(count for _, count in row_items),
             groups=groups,
             store=self.store,
             layer_groups=self.layer_groups,
-            score_indices=torch.tensor(score_rows, **as_long),
+            score_indices=torch.tensor(score_rows, dtype=torch.long),
             scored=scored,
         )
         return to_device(batch, self.device)
@@ -194,7 +198,7 @@ class BatchBuilder:
         page = self.page_size
         window = self.window if group == "sliding" else None
         slots: list[int] = []
-        tables = []
+        tables: list[tuple[list[int], int]] = []  # (block table, its first logical page) per item
         for request, count in items:
             table = self.cache.allocators[group].table(request.key)
             first = self.cache.first_page(group, request.key)
@@ -210,12 +214,16 @@ class BatchBuilder:
             offset += count
         return layout
 
-    def _decode_layout(self, items, tables, window: int | None) -> DecodeLayout:
+    def _decode_layout(
+        self, items: Sequence[tuple[Request, int]], tables: Sequence[tuple[list[int], int]], window: int | None
+    ) -> DecodeLayout:
         """Block tables and visible key ranges for every row-wise query token."""
         if self.backend.attends_rows:
             return self._kernel_layout(items, tables, window)
         max_pages = max(len(table) for table, _ in tables)
-        padded, firsts, lengths = [], [], []
+        padded: list[list[int]] = []
+        firsts: list[int] = []
+        lengths: list[int] = []
         for (request, count), (table, first) in zip(items, tables):
             row_table = table + [table[0]] * (max_pages - len(table))
             for pos in range(request.num_computed_tokens, request.num_computed_tokens + count):
@@ -223,32 +231,36 @@ class BatchBuilder:
                 firsts.append(first)
                 lengths.append(pos + 1)  # causal: keys up to and including this token
         lows = [max(0, n - window) if window is not None else 0 for n in lengths]
-        as_long = dict(dtype=torch.long)
         # pages and bias are derived from these where the step runs, once (torch_attention.decode)
         return DecodeLayout(
-            tables=torch.tensor(padded, **as_long),
-            kv_len=torch.tensor(lengths, **as_long),
-            kv_lo=torch.tensor(lows, **as_long),
-            first_page=torch.tensor(firsts, **as_long),
+            tables=torch.tensor(padded, dtype=torch.long),
+            kv_len=torch.tensor(lengths, dtype=torch.long),
+            kv_lo=torch.tensor(lows, dtype=torch.long),
+            first_page=torch.tensor(firsts, dtype=torch.long),
         )
 
-    def _kernel_layout(self, items, tables, window: int | None) -> DecodeLayout:
+    def _kernel_layout(
+        self, items: Sequence[tuple[Request, int]], tables: Sequence[tuple[list[int], int]], window: int | None
+    ) -> DecodeLayout:
         """The kernel form: a table per sequence, each token a row of it, and the rows' tasks."""
         max_pages = max(len(table) for table, _ in tables)
-        seqs, lengths, row_seq = [], [], []
+        seqs: list[SequenceRows] = []
+        lengths: list[int] = []
+        row_seq: list[int] = []
         for index, ((request, count), (table, first)) in enumerate(zip(items, tables)):
             start = request.num_computed_tokens
             seqs.append(SequenceRows(len(lengths), start, count, table, first))
             lengths.extend(range(start + 1, start + count + 1))  # causal: keys up to and including the token
             row_seq.extend([index] * count)
         lows = [max(0, n - window) if window is not None else 0 for n in lengths]
-        as_long = dict(dtype=torch.long)
         return DecodeLayout(
-            tables=torch.tensor([table + [table[0]] * (max_pages - len(table)) for table, _ in tables], **as_long),
-            kv_len=torch.tensor(lengths, **as_long),
-            kv_lo=torch.tensor(lows, **as_long),
-            first_page=torch.tensor([first for _, first in tables], **as_long),
-            row_seq=torch.tensor(row_seq, **as_long),
+            tables=torch.tensor(
+                [table + [table[0]] * (max_pages - len(table)) for table, _ in tables], dtype=torch.long
+            ),
+            kv_len=torch.tensor(lengths, dtype=torch.long),
+            kv_lo=torch.tensor(lows, dtype=torch.long),
+            first_page=torch.tensor([first for _, first in tables], dtype=torch.long),
+            row_seq=torch.tensor(row_seq, dtype=torch.long),
             plan=self.backend.plan_rows(seqs, self.page_size, window is not None),
         )
 

@@ -9,26 +9,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from cbrun.engine.attention import register as register_attention
 from cbrun.engine.backend import choose_backend
-from cbrun.engine.batch import BatchBuilder
-from cbrun.engine.config import EngineConfig, StatsSnapshot
+from cbrun.engine.batch import BatchBuilder, PagedBatch
+from cbrun.engine.config import EngineConfig, StatsSnapshot, StructuredSpec
 from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.grammar import GrammarCompiler, GrammarState, MaskFiller
 from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.kv_store import KVStore
-from cbrun.engine.model_spec import ModelSpec, default_device, read_model_spec
+from cbrun.engine.model_spec import CausalLM, ModelSpec, Tokenizer, default_device, read_model_spec
 from cbrun.engine.offload import make_preemptor
 from cbrun.engine.request import Request, RequestStatus
-from cbrun.engine.runner import ModelRunner
+from cbrun.engine.runner import ModelRunner, StepLogits
 from cbrun.engine.scheduler import Scheduler
 from cbrun.engine.scoring import ScoredRows
 from cbrun.engine.sizing import choose_num_blocks
-from cbrun.engine.weights import WeightStash, give_back_memory, load_into
+from cbrun.engine.weights import StashTarget, WeightStash, give_back_memory, load_into
 
 log = logging.getLogger("cbrun.engine")
 
@@ -52,7 +53,7 @@ class StepOutcome:
 class EngineCore:
     """Owns the model, the cache, the scheduler and every live request."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
         self.config = config
         self.spec: ModelSpec = read_model_spec(model, tokenizer)
         self.device = default_device(model)
@@ -150,7 +151,7 @@ class EngineCore:
             )
         return error
 
-    def check_structured(self, spec) -> str | None:
+    def check_structured(self, spec: StructuredSpec | None) -> str | None:
         """Why a structured-output constraint cannot be enforced, or None (compiled once per distinct spec)."""
         return None if spec is None else self.grammars.check(spec)
 
@@ -208,19 +209,20 @@ class EngineCore:
         self._record_step(batch.num_decode, time.perf_counter() - started)
         return outcome
 
-    def _score(self, batch, step) -> ScoredRows:
+    def _score(self, batch: PagedBatch, step: StepLogits) -> ScoredRows:
         """Logprobs of every kept position's next token, one `SCORE_CHUNK` of rows at a time."""
         targets = torch.tensor(
             [request.score_target(p) for request, first, count in batch.scored for p in range(first, first + count)],
             dtype=torch.long,
         )  # [S]
-        top_k = max(request.score.top_logprobs for request, _, _ in batch.scored)
+        top_k = max(request.score.top_logprobs for request, _, _ in batch.scored if request.score is not None)
         total = ScoredRows([], [], [] if top_k else None)
         for start, logits in self.runner.score_chunks(step):  # [c, V]
             part = self.backend.score(logits, targets[start : start + logits.shape[0]], top_k)
             total.logprobs += part.logprobs
             total.greedy += part.greedy
             if top_k:
+                assert total.top is not None and part.top is not None  # both made with top_k > 0
                 total.top += part.top
         return total
 
@@ -232,11 +234,13 @@ class EngineCore:
             for offset, position in enumerate(range(first, first + count)):
                 index = row + offset
                 if position < prompt_end:
+                    assert request.prompt_logprobs is not None  # prompt positions are scored only when asked
                     request.prompt_logprobs.append(scored.logprobs[index])
                     continue
                 request.logprobs.append(scored.logprobs[index])
                 request.is_greedy &= scored.greedy[index]
                 if request.top_logprobs is not None:
+                    assert request.score is not None and scored.top is not None  # top_k > 0 for this step
                     request.top_logprobs.append(scored.top[index][: request.score.top_logprobs])
             row += count
             self._stats.scored_tokens += count
@@ -247,7 +251,7 @@ class EngineCore:
                 self._finish(request, RequestStatus.FINISHED, "stop")
                 outcome.finished.append(request)
 
-    def _advance(self, items) -> None:
+    def _advance(self, items: list[tuple[Request, int]]) -> None:
         for request, count in items:
             if request.score is not None:  # every token of a scoring request is input
                 self._stats.computed_prompt_tokens += count
@@ -259,7 +263,14 @@ class EngineCore:
             self.cache.commit(request.key, request.all_token_ids, request.num_computed_tokens)
             request.status = RequestStatus.PREFILLING if request.is_prefilling else RequestStatus.DECODING
 
-    def _append(self, request: Request, token: int, logprob: float, top, outcome: StepOutcome) -> None:
+    def _append(
+        self,
+        request: Request,
+        token: int,
+        logprob: float,
+        top: list[tuple[int, float]] | None,
+        outcome: StepOutcome,
+    ) -> None:
         """Add a sampled token, then end the request if a stop condition holds."""
         request.all_token_ids.append(token)
         if request.grammar is not None:
@@ -312,7 +323,7 @@ class EngineCore:
         setattr(self._stats, counter, getattr(self._stats, counter) + 1)
 
     # -- weights and memory between rollouts ----------------------------------
-    def update_weights(self, tensors) -> int:
+    def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Copy new weights (name -> tensor) into the model; returns how many. Idle engines only.
 
         The backend is closed and installed again around the copy so that what
@@ -334,7 +345,7 @@ class EngineCore:
         """Forget every cached prefix; False (nothing changed) while a request holds blocks."""
         return self.cache.pool.reset_prefix_cache()
 
-    def sleep(self, level: int = 1, weights_to=None) -> None:
+    def sleep(self, level: int = 1, weights_to: StashTarget = None) -> None:
         """Give the KV pool (and swap pool) back to the OS; at level 2 the weights too, parked in
         `weights_to` (a file, a directory, a dict) or a private temp file. Idle engines only."""
         if level not in (1, 2):

@@ -21,9 +21,10 @@ from collections.abc import Iterator, Sequence
 from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
 from cbrun.engine.core import EngineCore, StepOutcome
 from cbrun.engine.cpu.openmp import release_caller_threads
+from cbrun.engine.model_spec import CausalLM, Tokenizer
 from cbrun.engine.request import GenerationOutput, Request, RequestStatus, ScoreSpec, StreamChunk
 from cbrun.engine.results import ResultStore
-from cbrun.engine.weights import WeightSource, read_weights
+from cbrun.engine.weights import StashTarget, WeightSource, read_weights
 
 log = logging.getLogger("cbrun.engine")
 
@@ -33,7 +34,7 @@ Prompt = str | Sequence[int]
 class Engine:
     """Continuous-batching generation over a stock transformers causal LM."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.core = EngineCore(model, tokenizer, self.config)
@@ -43,7 +44,7 @@ class Engine:
         self._inbox_cond = threading.Condition()  # guards the inbox and the closing flags only
         self._inbox: deque[Request] = deque()
         self._results = ResultStore()
-        self._streams: dict[str, tuple[queue.Queue, int]] = {}  # id -> (chunks, samples)
+        self._streams: dict[str, tuple[queue.Queue[StreamChunk], int]] = {}  # id -> (chunks, samples)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._draining = False
@@ -76,13 +77,15 @@ class Engine:
 
         `sampling` is one value for all prompts or a sequence with one per prompt.
         """
-        ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        ids: list[str | None] = list(request_ids) if request_ids is not None else [None] * len(prompts)
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(ids) != len(prompts) or len(params) != len(prompts):
             raise ValueError("request_ids and per-prompt sampling must have one entry per prompt")
         return self._submit(list(zip(prompts, params, ids)), stream=False, sort=True)
 
-    def _submit(self, entries, stream: bool, sort: bool = False) -> list[str]:
+    def _submit(
+        self, entries: Sequence[tuple[Prompt, object, str | None]], stream: bool, sort: bool = False
+    ) -> list[str]:
         prepared = [self._prepare(prompt, sampling, rid, stream) for prompt, sampling, rid in entries]
         order = sorted(range(len(prepared)), key=lambda i: prepared[i][1]) if sort else range(len(prepared))
         with self._inbox_cond:  # never waits for a running step
@@ -94,10 +97,12 @@ class Engine:
             self._inbox_cond.notify()
         return [p[0] for p in prepared]
 
-    def _prepare(self, prompt, sampling, request_id, stream):
+    def _prepare(
+        self, prompt: Prompt, sampling: object, request_id: str | None, stream: bool
+    ) -> tuple[str, list[int], SamplingParams, str | None, bool]:
         """Tokenize and validate outside the lock; returns (id, token ids, params, error)."""
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        error = None
+        error: str | None = None
         params = SamplingParams()
         try:
             params = _as_params(sampling)
@@ -112,7 +117,7 @@ class Engine:
             self._streams.setdefault(rid, (queue.Queue(), params.n))
         return rid, ids, params, error, stream
 
-    def _tokenize(self, prompt) -> list[int] | str:
+    def _tokenize(self, prompt: Prompt) -> list[int] | str:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return "text prompt given but the engine has no tokenizer"
@@ -184,7 +189,13 @@ class Engine:
         return outputs
 
     def _prepare_score(
-        self, prompt, completions, rid: str, samples, prompt_logprobs: bool, top_logprobs: int
+        self,
+        prompt: Prompt,
+        completions: Sequence[Prompt],  # text is refused here, with a message
+        rid: str,
+        samples: Sequence[int] | None,
+        prompt_logprobs: bool,
+        top_logprobs: int,
     ) -> list[Request]:
         """Tokenize and validate outside the lock: one scoring Request per completion."""
         samples = list(samples) if samples is not None else list(range(len(completions)))
@@ -192,15 +203,18 @@ class Engine:
             raise ValueError("samples must give one distinct index per completion")
         if not _is_int(top_logprobs) or top_logprobs < 0:
             raise ValueError(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
-        ids = self._tokenize(prompt)
-        prompt_error = ids if isinstance(ids, str) else None
-        ids = [] if prompt_error else ids
+        tokenized = self._tokenize(prompt)
+        prompt_error = tokenized if isinstance(tokenized, str) else None
+        ids: list[int] = [] if isinstance(tokenized, str) else tokenized  # an error is never empty text
         params = SamplingParams(max_tokens=1, top_logprobs=top_logprobs)
         prepared = []
         for sample, completion in zip(samples, completions):
             tokens = self._tokenize(completion) if not isinstance(completion, str) else "completion must be token ids"
             error = prompt_error or (tokens if isinstance(tokens, str) else self.core.validate_score(ids, tokens))
-            spec = ScoreSpec(tuple(tokens) if error is None else (), prompt_logprobs, top_logprobs)
+            # without an error the tokens are ids (the isinstance only tells the type checker)
+            spec = ScoreSpec(
+                tuple(tokens) if error is None and not isinstance(tokens, str) else (), prompt_logprobs, top_logprobs
+            )
             prepared.append(Request(rid, sample, ids, params, 0, 0, score=spec, error=error))
         return prepared
 
@@ -380,7 +394,7 @@ class Engine:
         with self._lock:
             return self.core.reset_prefix_cache()
 
-    def sleep(self, level: int = 1, weights_to=None) -> None:
+    def sleep(self, level: int = 1, weights_to: StashTarget = None) -> None:
         """Give the KV cache memory back to the OS until `wake_up()`; level 2 frees the weights too.
 
         Level 2 parks the weights in `weights_to`: a safetensors file path, a directory, or a
@@ -410,7 +424,7 @@ class Engine:
         return self._asleep
 
     @contextlib.contextmanager
-    def _idle(self, action: str):
+    def _idle(self, action: str) -> Iterator[None]:
         """Hold the core with no request queued, running or offloaded (else RuntimeError)."""
         with self._lock, self._inbox_cond:
             if self._closed:
@@ -456,16 +470,16 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop(hard=exc[0] is not None)
         self.destroy()
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _as_params(sampling) -> SamplingParams:
+def _as_params(sampling: object) -> SamplingParams:
     if sampling is None:
         return SamplingParams()
     if isinstance(sampling, SamplingParams):

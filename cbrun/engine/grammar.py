@@ -27,16 +27,22 @@ import logging
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from cbrun.engine.config import StructuredSpec
+from cbrun.engine.model_spec import Tokenizer
+
+if TYPE_CHECKING:  # llguidance is imported where it is used (its native library loads then)
+    from llguidance import LLMatcher, LLTokenizer
+    from llguidance._lib import JsonCompileOptions
 
 log = logging.getLogger("cbrun.engine")
 
 # JSON on one line with ", " and ": " separators: no tokens spent on layout, and no model can
 # loop in whitespace. A schema's own "x-guidance" options override these defaults.
-JSON_DEFAULTS = {"whitespace_flexible": False}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 _BIT = torch.arange(32, dtype=torch.int32)  # [32] bit positions inside one int32 word of a mask
 
 
@@ -78,11 +84,11 @@ class GrammarCompiler:
     Thread-safe: the engine's callers check specs while its loop creates matchers.
     """
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._tokenizer = None
-        self._templates: dict[StructuredSpec, object] = {}  # spec -> template LLMatcher or error message
+        self._tokenizer: LLTokenizer | None = None
+        self._templates: dict[StructuredSpec, LLMatcher | str] = {}  # spec -> template LLMatcher or error message
         self._lock = threading.Lock()
         self.compiles = 0  # distinct specs compiled (a job with one schema compiles once)
 
@@ -91,14 +97,14 @@ class GrammarCompiler:
         template = self._template(spec)
         return template if isinstance(template, str) else None
 
-    def matcher(self, spec: StructuredSpec):
+    def matcher(self, spec: StructuredSpec) -> LLMatcher:
         """A fresh matcher for `spec` (raises GrammarError when it cannot be enforced)."""
         template = self._template(spec)
         if isinstance(template, str):
             raise GrammarError(template)
         return template.deep_copy()
 
-    def _template(self, spec: StructuredSpec):
+    def _template(self, spec: StructuredSpec) -> LLMatcher | str:
         with self._lock:
             found = self._templates.get(spec)
             if found is None:
@@ -106,7 +112,7 @@ class GrammarCompiler:
                 self.compiles += 1
             return found
 
-    def _compile(self, spec: StructuredSpec):
+    def _compile(self, spec: StructuredSpec) -> LLMatcher | str:
         import llguidance
 
         if self._hf_tokenizer is None:
@@ -126,8 +132,9 @@ class GrammarCompiler:
             return f"{spec.kind}: does not compile: {one_line(matcher.get_error())}"
         return matcher
 
-    def _llg_tokenizer(self):
+    def _llg_tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
+            assert self._hf_tokenizer is not None  # `_compile` answers without a tokenizer before asking
             import llguidance.hf
 
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
@@ -142,7 +149,7 @@ class GrammarState:
     background computation that will fill it.
     """
 
-    def __init__(self, spec: StructuredSpec, matcher) -> None:
+    def __init__(self, spec: StructuredSpec, matcher: LLMatcher) -> None:
         self.spec = spec
         self.matcher = matcher
         self.mask: torch.Tensor | None = None

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from cbrun.engine.attention import BACKEND_KWARG, BATCH_KWARG
+from cbrun.engine.backend import TorchBackend
 from cbrun.engine.batch import PagedBatch
+from cbrun.engine.model_spec import CausalLM
 
 # config attributes by which a causal LM transforms logits after its head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -46,7 +48,7 @@ class StepLogits:
 class ModelRunner:
     """Runs one forward pass per step and returns fp32 logits of sampled rows."""
 
-    def __init__(self, model, backend) -> None:
+    def __init__(self, model: CausalLM, backend: TorchBackend) -> None:
         self.model = model
         self.backend = backend
         self.keeps_logits = bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
@@ -101,7 +103,7 @@ class ModelRunner:
         return self.backend.project(self.head, rows)
 
 
-def _plain_head(model) -> torch.nn.Linear | None:
+def _plain_head(model: CausalLM) -> torch.nn.Linear | None:
     """The model's output head when logits are exactly `lm_head(hidden)`, else None."""
     head = getattr(model, "lm_head", None)
     config = model.config

@@ -22,12 +22,18 @@ end (top-k alternatives, when asked for, add one more).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from cbrun.engine.config import SamplingParams
 from cbrun.engine.grammar import apply_masks
 from cbrun.engine.request import Request
+
+if TYPE_CHECKING:
+    from cbrun.engine.cpu.kernels import CpuKernels
 
 _MASK64 = (1 << 64) - 1
 
@@ -54,7 +60,7 @@ class Sampled:
     top: list[list[tuple[int, float]]] | None
 
 
-def sample(logits: torch.Tensor, requests: list[Request], kernels=None) -> Sampled:
+def sample(logits: torch.Tensor, requests: Sequence[Request], kernels: CpuKernels | None = None) -> Sampled:
     """Choose one token per row of `logits` ([N, V]) for the matching request.
 
     With the compiled CPU kernels, argmax, log-sum-exp and plain temperature
@@ -74,14 +80,16 @@ def sample(logits: torch.Tensor, requests: list[Request], kernels=None) -> Sampl
         return _sample(logits, requests, kernels)
     model_rows = [i for i in constrained if not requests[i].sampling.masked_logprobs]
     raw = logits[model_rows].clone() if model_rows else None  # [m, V] the model's logits, before the mask
-    apply_masks(logits, constrained, [requests[i].grammar.allowed_mask() for i in constrained])
+    apply_masks(logits, constrained, [grammar.allowed_mask() for r in requests if (grammar := r.grammar) is not None])
     picked = _sample(logits, requests, kernels)
     if raw is not None:
         _model_logprobs(picked, raw, model_rows, requests, kernels)
     return picked
 
 
-def _model_logprobs(picked: Sampled, raw: torch.Tensor, rows: list[int], requests: list[Request], kernels) -> None:
+def _model_logprobs(
+    picked: Sampled, raw: torch.Tensor, rows: list[int], requests: Sequence[Request], kernels: CpuKernels | None
+) -> None:
     """Replace the masked rows' logprobs (and alternatives) by the unmasked distribution's,
     computed as `_sample` computes them for a free row, so a token's logprob is the same
     whether or not its request was constrained."""
@@ -104,7 +112,7 @@ def _model_logprobs(picked: Sampled, raw: torch.Tensor, rows: list[int], request
             picked.top[rows[j]] = top[j]
 
 
-def _sample(logits: torch.Tensor, requests: list[Request], kernels) -> Sampled:
+def _sample(logits: torch.Tensor, requests: Sequence[Request], kernels: CpuKernels | None) -> Sampled:
     if kernels is not None and logits.device.type == "cpu":
         return _sample_with_kernel(logits.contiguous(), requests, kernels)
     params = [r.sampling for r in requests]
@@ -124,7 +132,7 @@ def _sample(logits: torch.Tensor, requests: list[Request], kernels) -> Sampled:
     return _to_host(chosen, token_logprobs, top)
 
 
-def _on(device: torch.device, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _on(device: torch.device, values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A host list as a tensor on `device`, sent without making the host wait for the device."""
     host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":  # pinned memory is CUDA's; elsewhere a plain copy
@@ -132,17 +140,17 @@ def _on(device: torch.device, values: list, dtype: torch.dtype = torch.float32) 
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _to_host(chosen: torch.Tensor, token_logprobs: torch.Tensor, top) -> Sampled:
+def _to_host(chosen: torch.Tensor, token_logprobs: torch.Tensor, top: list[list[tuple[int, float]]] | None) -> Sampled:
     """Ids [N] and their logprobs [N] in one device-to-host copy (float64 holds both exactly)."""
     both = torch.stack([chosen.double(), token_logprobs.double()]).tolist()  # [2, N]
     return Sampled([int(token) for token in both[0]], both[1], top)
 
 
-def _filtered(params) -> bool:
+def _filtered(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
 
 
-def _sample_with_kernel(logits: torch.Tensor, requests: list[Request], kernels) -> Sampled:
+def _sample_with_kernel(logits: torch.Tensor, requests: Sequence[Request], kernels: CpuKernels) -> Sampled:
     params = [r.sampling for r in requests]
     inv_temp = torch.tensor([1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
     uniform = torch.tensor(
@@ -210,11 +218,13 @@ def _apply_top_p(logprobs: torch.Tensor, ps: list[float]) -> torch.Tensor:
     return logprobs.masked_fill(drop, float("-inf"))
 
 
-def _top_alternatives(logits: torch.Tensor, normalizer: torch.Tensor, params) -> list[list[tuple[int, float]]] | None:
+def _top_alternatives(
+    logits: torch.Tensor, normalizer: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[list[tuple[int, float]]] | None:
     wanted = [p.top_logprobs for p in params]
     if not any(wanted):
         return None
     k_max = min(max(wanted), logits.shape[-1])
-    values, indices = torch.topk(logits, k_max, dim=-1)
-    values, indices = (values - normalizer).tolist(), indices.tolist()
+    top_values, top_indices = torch.topk(logits, k_max, dim=-1)
+    values, indices = (top_values - normalizer).tolist(), top_indices.tolist()
     return [list(zip(indices[i][:k], values[i][:k])) for i, k in enumerate(wanted)]

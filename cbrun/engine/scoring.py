@@ -15,8 +15,12 @@ memory stays at one [rows, V] block whatever the sequence length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from cbrun.engine.cpu.kernels import CpuKernels
 
 
 @dataclass
@@ -28,7 +32,9 @@ class ScoredRows:
     top: list[list[tuple[int, float]]] | None
 
 
-def score_logits(logits: torch.Tensor, targets: torch.Tensor, top_k: int, kernels=None) -> ScoredRows:
+def score_logits(
+    logits: torch.Tensor, targets: torch.Tensor, top_k: int, kernels: CpuKernels | None = None
+) -> ScoredRows:
     """Logprob of targets[i] ([c] int64) under logits[i] ([c, V]) at temperature 1.
 
     top_k > 0 adds the top_k most likely (token, logprob) pairs per row, most likely first.
@@ -50,7 +56,7 @@ def score_logits(logits: torch.Tensor, targets: torch.Tensor, top_k: int, kernel
         scaled = logits
     top = None
     if top_k > 0:
-        values, indices = torch.topk(scaled, min(top_k, logits.shape[-1]), dim=-1)  # [c, k]
-        values = (values - normalizer[:, None]).tolist()
+        top_values, indices = torch.topk(scaled, min(top_k, logits.shape[-1]), dim=-1)  # [c, k]
+        values = (top_values - normalizer[:, None]).tolist()
         top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values)]
     return ScoredRows(token_logprobs.tolist(), (chosen == targets).tolist(), top)

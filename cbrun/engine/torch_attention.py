@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from cbrun.engine.batch import DecodeLayout, PrefillSeq
 
 
-def write(k_pool, v_pool, key, value, slots) -> None:
+def write(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Store the new tokens' K/V ([H_kv, T, D]) at their flat slots."""
     num_kv, num_blocks, page, dim = k_pool.shape
     k_pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, key)
@@ -24,7 +26,12 @@ def write(k_pool, v_pool, key, value, slots) -> None:
 
 
 def decode(
-    q: torch.Tensor, k_pool, v_pool, layout: DecodeLayout, scale: float, softcap: float | None = None
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    layout: DecodeLayout,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch path: one query per sequence, all sequences at once: [H, B, D] -> [B, H, D]."""
     num_heads, batch, dim = q.shape
@@ -32,6 +39,7 @@ def decode(
     group = num_heads // num_kv
     if layout.pages is None:  # the first layer of the step derives the gather and the bias, the others reuse them
         _add_torch_addresses(layout, page)
+    assert layout.pages is not None and layout.bias is not None  # both set together, just above or earlier
     keys = k_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)  # [H_kv, B, L, D]
     values = v_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)
     q = q.view(num_kv, group, batch, dim).transpose(1, 2)  # [H_kv, B, G, D]
@@ -59,7 +67,14 @@ def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def prefill(
-    query, key, value, k_pool, v_pool, seq: PrefillSeq, scale: float, softcap: float | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    seq: PrefillSeq,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One chunk of one sequence: [1, H, q, D] against its context -> [q, H, D]."""
     q = query[:, :, seq.start : seq.end]  # [1, H, q, D]
@@ -67,6 +82,7 @@ def prefill(
         k = key[:, :, seq.start : seq.end]  # [1, H_kv, q, D]
         v = value[:, :, seq.start : seq.end]
     else:
+        assert seq.pages is not None  # a chunk over a cached context names its pages
         num_kv, _, _, dim = k_pool.shape
         k = k_pool.index_select(1, seq.pages).view(1, num_kv, -1, dim)  # [1, H_kv, L, D]
         v = v_pool.index_select(1, seq.pages).view(1, num_kv, -1, dim)
@@ -84,7 +100,9 @@ def prefill(
     return out[0].transpose(0, 1)
 
 
-def _capped_attention(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float) -> torch.Tensor:
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
     """SDPA cannot cap scores, so spell it out: q [H, q, D], k/v [H_kv, L, D] -> [q, H, D].
 
     `mask` None means plain causal over keys that are exactly the queries' own.
