@@ -20,6 +20,8 @@ segments (`segment` keys, from position 0).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from cbrun.engine.batch import SequenceRows
@@ -28,7 +30,7 @@ TASK_ROWS = 16  # rows per task at most: big groups are split so both threads ge
 
 
 def plan_tasks(
-    seqs: list[SequenceRows], page_size: int, segment: int, windowed: bool, max_rows: int = TASK_ROWS
+    seqs: Sequence[SequenceRows], page_size: int, segment: int, windowed: bool, max_rows: int = TASK_ROWS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tasks for the kernel: (rows [R], start [T + 1], shared keys [T]), int64, largest tasks first.
 

@@ -12,16 +12,20 @@ its neighbours.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from cbrun.engine.backend import TorchBackend
+from cbrun.engine.batch import DecodeLayout, SequenceRows
 from cbrun.engine.cpu.attention_tasks import plan_tasks
 from cbrun.engine.cpu.fused_layers import install_fused_layers, uninstall as uninstall_fused_layers
 from cbrun.engine.cpu.kernels import CpuKernels
 from cbrun.engine.cpu.linear import install_linear_methods, linear_shapes, uninstall as uninstall_linears
 from cbrun.engine.cpu.linear_methods import LayerMethod, LinearMethod
 from cbrun.engine.cpu.method_selector import MethodChoice, choose_linear_method
-from cbrun.engine.model_spec import ModelSpec
+from cbrun.engine.model_spec import CausalLM, ModelSpec
+from cbrun.engine.request import Request
 from cbrun.engine.sampler import Sampled, sample
 from cbrun.engine.scoring import ScoredRows, score_logits
 
@@ -44,7 +48,7 @@ class CpuBackend(TorchBackend):
         self.fused_layers: list[torch.nn.Module] = []
         self.method_choices: list[MethodChoice] = []
 
-    def install(self, model, spec: ModelSpec) -> None:
+    def install(self, model: CausalLM, spec: ModelSpec) -> None:
         """Choose a linear method per weight dtype (after its self-check), give every linear layer its layer
         method and Llama-shaped decoder layers the fused forward; decide whether the compiled attention applies."""
         self.method_choices = [
@@ -56,7 +60,8 @@ class CpuBackend(TorchBackend):
             c.dtype: c.method for c in self.method_choices if c.method is not None
         }
         self.linears = install_linear_methods(model, self.kernels, methods)
-        self.fused_layers = install_fused_layers(model, self.kernels, methods.get(_dtype_of(model)))
+        dtype = _dtype_of(model)
+        self.fused_layers = install_fused_layers(model, self.kernels, methods.get(dtype) if dtype is not None else None)
         kv = spec.kv
         self.attends_rows = not spec.softcaps_attention and self.kernels.supports_attention(
             kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim
@@ -67,18 +72,29 @@ class CpuBackend(TorchBackend):
         uninstall_fused_layers(self.fused_layers)
         self.linears, self.fused_layers = {}, []
 
-    def plan_rows(self, seqs, page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
+    def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
         """The kernel's tasks (rows [R], start [T + 1], shared keys [T]): rows sharing leading pages together."""
         return plan_tasks(seqs, page_size, self.kernels.segment, windowed)  # shared keys in whole segments
 
-    def write_kv(self, k_pool, v_pool, key, value, slots) -> None:
+    def write_kv(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> None:
         self.kernels.write_kv(k_pool, key, slots)
         self.kernels.write_kv(v_pool, value, slots)
 
-    def attend_rows(self, query, k_pool, v_pool, rows, scale: float, softcap: float | None) -> torch.Tensor:
+    def attend_rows(
+        self,
+        query: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        rows: DecodeLayout,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
         if not self.attends_rows or softcap:
             return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
+        assert rows.row_seq is not None  # a row-attending backend's steps are laid out in the kernel form
         return self.kernels.attend(
             query.transpose(0, 1).contiguous(),
             k_pool,
@@ -99,7 +115,7 @@ class CpuBackend(TorchBackend):
             return super().project(head, rows)
         return layer(rows, torch.float32)
 
-    def sample(self, logits: torch.Tensor, requests) -> Sampled:
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> Sampled:
         return sample(logits, requests, self.kernels)
 
     def score(self, logits: torch.Tensor, targets: torch.Tensor, top_k: int) -> ScoredRows:
@@ -118,6 +134,6 @@ class CpuBackend(TorchBackend):
         return {str(c.dtype).removeprefix("torch."): c.method.name if c.method else "none" for c in self.method_choices}
 
 
-def _dtype_of(model) -> torch.dtype | None:
+def _dtype_of(model: CausalLM) -> torch.dtype | None:
     """The dtype of the model's first floating-point parameter (its compute dtype)."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)

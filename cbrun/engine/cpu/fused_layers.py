@@ -27,12 +27,22 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cbrun.engine.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.model_spec import CausalLM
+
+if TYPE_CHECKING:
+    from cbrun.engine.cpu.kernels import CpuKernels
+
+# A transformers decoder layer or attention module: its parts (self_attn, mlp, norms; config, scaling,
+# sliding_window) are read by name, as the architecture defines them.
+Layer = Any
 
 log = logging.getLogger("cbrun.engine")
 
@@ -57,7 +67,7 @@ class Norm:
 class LayerPlan:
     """What the fused forward needs of one layer, read once at install."""
 
-    attention: torch.nn.Module
+    attention: Layer
     input_norm: Norm
     post_norm: Norm
     q_norm: Norm | None
@@ -77,7 +87,7 @@ class LayerPlan:
     gated_method: LayerMethod | None = None
     down_method: LayerMethod | None = None
 
-    def make_methods(self, method: LinearMethod, kernels) -> None:
+    def make_methods(self, method: LinearMethod, kernels: CpuKernels) -> None:
         """Give the plan its layer methods (weights packed or read in place, as the method does)."""
         self.qkv_method = method.make(kernels, [p.weight for p in self.qkv], [p.bias for p in self.qkv])
         self.o_method = method.make(kernels, [self.o_proj.weight], [self.o_proj.bias])
@@ -87,7 +97,9 @@ class LayerPlan:
         self.down_method = method.make(kernels, [self.down.weight], [self.down.bias])
 
 
-def install_fused_layers(model, kernels, method: LinearMethod | None) -> list[torch.nn.Module]:
+def install_fused_layers(
+    model: CausalLM, kernels: CpuKernels | None, method: LinearMethod | None
+) -> list[torch.nn.Module]:
     """Give every decoder layer of `model` that passes its probe the fused forward, its projections
     through layer methods of `method` (the fp32 one); returns those layers.
 
@@ -113,7 +125,7 @@ def install_fused_layers(model, kernels, method: LinearMethod | None) -> list[to
         verified = [(layer, plan) for layer, plan in plans if _probe(layer, plan, kernels, rotary)]
     finally:
         model.set_attn_implementation(previous)
-    installed = []
+    installed: list[torch.nn.Module] = []
     for layer, plan in verified:
         layer.forward = functools.partial(fused_forward, plan, kernels, layer.forward)
         installed.append(layer)
@@ -129,15 +141,18 @@ def uninstall(layers: list[torch.nn.Module]) -> None:
 
 def fused_forward(
     plan: LayerPlan,
-    kernels,
-    stock_forward,
+    kernels: CpuKernels,
+    stock_forward: Callable[..., Any],
     hidden_states: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    position_embeddings=None,
-    **kwargs,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs: Any,
 ) -> torch.Tensor:
     """The decoder layer's forward: hidden [1, T, hidden] -> [1, T, hidden]."""
-    function = ALL_ATTENTION_FUNCTIONS.get_interface(plan.attention.config._attn_implementation, None)
+    function: Callable[..., Any] | None = ALL_ATTENTION_FUNCTIONS.get_interface(
+        plan.attention.config._attn_implementation,
+        None,  # type: ignore[arg-type]  # annotated Callable, but a default of None comes back as given
+    )
     if (
         function is None
         or position_embeddings is None
@@ -150,6 +165,7 @@ def fused_forward(
         return stock_forward(
             hidden_states, attention_mask=attention_mask, position_embeddings=position_embeddings, **kwargs
         )
+    assert plan.o_method is not None and plan.gated_method is not None and plan.down_method is not None  # installed
     x = hidden_states[0].float()  # [T, hidden] fp32 (bf16 widens exactly): the residual stream within the layer
     normed, _ = kernels.rmsnorm(x, plan.input_norm.weight, plan.input_norm.eps)
     attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, kwargs)  # [T, H * D]
@@ -160,13 +176,21 @@ def fused_forward(
 
 
 def _attention(
-    plan: LayerPlan, kernels, function, normed: torch.Tensor, position_embeddings, attention_mask, kwargs
+    plan: LayerPlan,
+    kernels: CpuKernels,
+    function: Callable[..., Any],
+    normed: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """normed [T, hidden] -> attention output [T, H * D] through the model's attention function."""
     tokens = normed.shape[0]
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
+    assert plan.qkv_method is not None  # made at install
     qkv = plan.qkv_method(normed, torch.float32)  # [T, (H + 2 H_kv) D] fp32 sums
     if plan.q_norm is not None:
+        assert plan.k_norm is not None  # the head norms come as a pair
         qkv[:, : heads * dim], _ = kernels.rmsnorm(qkv[:, : heads * dim], plan.q_norm.weight, plan.q_norm.eps)
         k_cols = slice(heads * dim, (heads + kv_heads) * dim)
         qkv[:, k_cols], _ = kernels.rmsnorm(qkv[:, k_cols], plan.k_norm.weight, plan.k_norm.eps)
@@ -190,7 +214,7 @@ def _attention(
 _last_rope_tables: tuple = (None, None, None)  # (the model's cos, its sin, their fp32 contiguous copies)
 
 
-def _rope_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary cos and sin as fp32 contiguous [T, D] tables.
 
     Every layer of one forward receives the same two tensors, so they are
@@ -210,7 +234,7 @@ def _rope_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
 # -- install-time checks ----------------------------------------------------------
 
 
-def _plan(layer, method: LinearMethod) -> LayerPlan | None:
+def _plan(layer: Layer, method: LinearMethod) -> LayerPlan | None:
     """The layer's parts when it has exactly a Llama-style layer's structure (fp32 on CPU), else None."""
     if _children(layer) != _LAYER_PARTS:
         return None
@@ -231,17 +255,17 @@ def _plan(layer, method: LinearMethod) -> LayerPlan | None:
         or not hasattr(getattr(attention, "config", None), "_attn_implementation")
     ):
         return None
-    norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
+    input_norm, post_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
     head_norms = [_norm(attention.q_norm), _norm(attention.k_norm)] if has_head_norms else [None, None]
-    if None in norms or (has_head_norms and None in head_norms):
+    if input_norm is None or post_norm is None or (has_head_norms and None in head_norms):
         return None
     q, k, v, o = linears[:4]
     if q.out_features % dim or k.out_features % dim or k.out_features != v.out_features:
         return None
     return LayerPlan(
         attention=attention,
-        input_norm=norms[0],
-        post_norm=norms[1],
+        input_norm=input_norm,
+        post_norm=post_norm,
         q_norm=head_norms[0],
         k_norm=head_norms[1],
         qkv=[q, k, v],
@@ -256,11 +280,11 @@ def _plan(layer, method: LinearMethod) -> LayerPlan | None:
     )
 
 
-def _children(module) -> set[str]:
+def _children(module: torch.nn.Module) -> set[str]:
     return {name for name, _ in module.named_children()}
 
 
-def _norm(module) -> Norm | None:
+def _norm(module: object) -> Norm | None:
     """An RMS norm's weight and epsilon, if it has the usual attributes (its formula is probed later)."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
@@ -276,7 +300,7 @@ def _norm(module) -> Norm | None:
 
 
 @torch.inference_mode()
-def _probe(layer, plan: LayerPlan, kernels, rotary) -> bool:
+def _probe(layer: Layer, plan: LayerPlan, kernels: CpuKernels, rotary: Callable[..., Any]) -> bool:
     """Whether the fused forward reproduces the stock one on random inputs, through the model's attention."""
     generator = torch.Generator().manual_seed(0)
     hidden = plan.input_norm.weight.numel()

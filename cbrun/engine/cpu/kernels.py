@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -450,10 +451,10 @@ class CpuKernels:
     def dp_pack(self, weight: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         """bf16 weight [N, K] (gated: gate [N, K] and up [N, K]) -> its packed blocks, flat int16."""
         gated = up is not None
-        for w in (weight, up) if gated else (weight,):
+        for w in (weight,) if up is None else (weight, up):
             if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
                 raise KernelError(f"dp_pack: weight {tuple(w.shape)} {w.dtype} is not a contiguous bf16 CPU matrix")
-        if gated and up.shape != weight.shape:
+        if up is not None and up.shape != weight.shape:
             raise KernelError("dp_pack: gate and up weights differ in shape")
         rows, inner = weight.shape
         packed = torch.empty(self._lib.dp_packed_size(rows, inner, int(gated)), dtype=torch.int16)
@@ -597,7 +598,7 @@ def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def _pointers(tensors: list[torch.Tensor | None]):
+def _pointers(tensors: Sequence[torch.Tensor | None]) -> ctypes.Array[ctypes.c_void_p]:
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() if t is not None else None for t in tensors))
 
 

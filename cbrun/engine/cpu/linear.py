@@ -14,6 +14,8 @@ backend for the engine's lifetime and removed by `uninstall`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from cbrun.engine.cpu.kernels import CpuKernels
@@ -38,14 +40,15 @@ def install_linear_methods(
     (A plain output head is projected by the backend itself, to fp32 logits, with the same layer method.)"""
     layers: dict[torch.nn.Linear, LayerMethod] = {}
     for module in model.modules():
-        method = methods.get(getattr(getattr(module, "weight", None), "dtype", None))
+        dtype = getattr(getattr(module, "weight", None), "dtype", None)
+        method = methods.get(dtype) if dtype is not None else None  # (no method is keyed None)
         if method is not None and method.reads(module):
             layer = method.make(kernels, [module.weight], [module.bias])
-            module.forward = layer  # type: ignore[method-assign]  # called as module(x): x [..., K] -> [..., N]
+            module.forward = layer  # type: ignore[method-assign, assignment]  # per instance; called as module(x): x [..., K] -> [..., N]
             layers[module] = layer
     return layers
 
 
-def uninstall(modules) -> None:
+def uninstall(modules: Iterable[torch.nn.Module]) -> None:
     for module in modules:
         module.__dict__.pop("forward", None)

@@ -22,8 +22,9 @@ determinism of one primitive, so it is a machine-local, opt-in method
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 
@@ -46,7 +47,7 @@ class LinearMethod:
     kernel: str  # "linear" (linear.c), "dp" (linear_dpbf16.c, with `variant`), "onednn"
     variant: str = ""
 
-    def reads(self, module: torch.nn.Module) -> bool:
+    def reads(self, module: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
         """Whether this method can take `module`: a plain CPU nn.Linear of its weight dtype, contiguous."""
         if type(module) is not torch.nn.Linear:
             return False
@@ -59,7 +60,11 @@ class LinearMethod:
         )
 
     def make(
-        self, kernels: CpuKernels, weights: list[torch.Tensor], biases: list[torch.Tensor | None], gated: bool = False
+        self,
+        kernels: CpuKernels,
+        weights: Sequence[torch.Tensor],
+        biases: Sequence[torch.Tensor | None],
+        gated: bool = False,
     ) -> LayerMethod:
         """A layer method for `weights` side by side ([N_i, K] each; outputs concatenated), or, with
         `gated`, for gate and up ([N, K] each) giving silu(x @ gate^T + b) * (x @ up^T + b)."""
@@ -82,7 +87,7 @@ ONEDNN_B64 = LinearMethod("onednn-b64", torch.bfloat16, False, "onednn")
 METHODS = {m.name: m for m in (F32, DP_ISA, DP_TWIN, DP_SCALAR, ONEDNN_B64)}
 
 
-def _fp32_bias(biases: list[torch.Tensor | None], widths: list[int]) -> torch.Tensor | None:
+def _fp32_bias(biases: Sequence[torch.Tensor | None], widths: list[int]) -> torch.Tensor | None:
     """The biases side by side in fp32 [sum N_i] (zeros for a missing one), or None when there are none."""
     if all(b is None for b in biases):
         return None
@@ -115,8 +120,8 @@ class _PairDotLinear:
         self,
         kernels: CpuKernels,
         variant: str,
-        weights: list[torch.Tensor],
-        biases: list[torch.Tensor | None],
+        weights: Sequence[torch.Tensor],
+        biases: Sequence[torch.Tensor | None],
         gated: bool,
     ) -> None:
         self.kernels, self.variant, self.gated = kernels, variant, gated
@@ -146,7 +151,7 @@ class _BlockedOneDnn:
 
     BLOCK = 64
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], gated: bool) -> None:
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], gated: bool) -> None:
         whole = torch.cat([w.detach() for w in weights]).contiguous()  # [sum N_i, K] (gated: gate then up)
         self.gated = gated
         self.outputs = whole.shape[0] // 2 if gated else whole.shape[0]

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from cbrun.engine.cpu.kernels import CpuKernels, KernelError
-from cbrun.engine.cpu.linear_methods import DP_SCALAR, LinearMethod
+from cbrun.engine.cpu.linear_methods import DP_SCALAR, LayerMethod, LinearMethod
 
 log = logging.getLogger("cbrun.engine")
 
@@ -118,7 +118,9 @@ def _run(kernels: CpuKernels, method: LinearMethod, shapes: list[Shape], timed: 
     return f"ok: {checks} at {len(shapes)} shapes", trial_ms
 
 
-def _probe_layers(kernels: CpuKernels, method: LinearMethod, shape: Shape, generator: torch.Generator):
+def _probe_layers(
+    kernels: CpuKernels, method: LinearMethod, shape: Shape, generator: torch.Generator
+) -> tuple[LayerMethod, LayerMethod | None]:
     """The method's layer on random weights of `shape` (and bias), and the reference's where it has one."""
     count = 2 if shape.gated else 1
     weights = [
@@ -151,7 +153,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _time_call(layer, rows: torch.Tensor) -> float:
+def _time_call(layer: LayerMethod, rows: torch.Tensor) -> float:
     layer(rows)
     best = float("inf")
     for _ in range(5):

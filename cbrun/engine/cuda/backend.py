@@ -20,11 +20,13 @@ is how CI checks it without a GPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
 from cbrun.engine.backend import TorchBackend
-from cbrun.engine.model_spec import ModelSpec
+from cbrun.engine.batch import DecodeLayout, SequenceRows
+from cbrun.engine.model_spec import CausalLM, ModelSpec
 
 log = logging.getLogger("cbrun.engine")
 
@@ -56,7 +58,7 @@ class CudaBackend(TorchBackend):
         self.block_rows = 1
         self.why_not = ""  # why attention stays on the torch path, when it does
 
-    def install(self, model, spec: ModelSpec) -> None:
+    def install(self, model: CausalLM, spec: ModelSpec) -> None:
         """Decide whether the kernel covers the model's attention, and how many rows a program takes."""
         from cbrun.engine.cuda.triton_attention import default_block_rows
 
@@ -73,7 +75,7 @@ class CudaBackend(TorchBackend):
         if self.why_not:
             log.warning("Triton attention off (%s): the torch attention runs instead", self.why_not)
 
-    def plan_rows(self, seqs, page_size: int, windowed: bool) -> tuple:
+    def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor, int]:
         """(query blocks [NB, 2] int32: first row and row count of consecutive rows of one sequence, the
         kernel's rows per block): a decode-only step gets 1-row blocks, so its tiles hold G heads, not 64 rows.
 
@@ -85,13 +87,22 @@ class CudaBackend(TorchBackend):
         row_seq = [index for index, seq in enumerate(seqs) for _ in range(seq.count)]
         return plan_query_blocks(row_seq, longest), longest
 
-    def attend_rows(self, query, k_pool, v_pool, rows, scale: float, softcap: float | None) -> torch.Tensor:
+    def attend_rows(
+        self,
+        query: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        rows: DecodeLayout,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
         if not self.attends_rows or softcap:
             return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
         from cbrun.engine.cuda.triton_attention import paged_attention
 
         blocks, block_rows = rows.plan
+        assert rows.row_seq is not None  # a row-attending backend's steps are laid out in the kernel form
         return paged_attention(
             query.transpose(0, 1),
             k_pool,
@@ -119,15 +130,14 @@ def _probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, 
     page, blocks = 16, 6
     pools = [torch.randn(kv_heads, blocks, page, dim, generator=generator).to(device, dtype) for _ in range(2)]
     q = torch.randn(3, heads, dim, generator=generator).to(device, dtype)  # [R, H, D]: a decode and a 2-token chunk
-    as_long = dict(dtype=torch.long, device=device)
     args = (
         q,
         *pools,
-        torch.tensor([[4, 1, 0], [2, 5, 3]], **as_long),
-        torch.tensor([0, 1, 1], **as_long),
-        torch.zeros(2, **as_long),
-        torch.tensor([37, 20, 21], **as_long),
-        torch.zeros(3, **as_long),
+        torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.long, device=device),
+        torch.tensor([0, 1, 1], dtype=torch.long, device=device),
+        torch.zeros(2, dtype=torch.long, device=device),
+        torch.tensor([37, 20, 21], dtype=torch.long, device=device),
+        torch.zeros(3, dtype=torch.long, device=device),
         dim**-0.5,
     )
     try:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -229,7 +228,7 @@ def _tile_sizes(group: int, block_rows: int, head_dim: int) -> dict[str, int]:
 
 
 @functools.cache
-def _kernel(interpret: bool) -> Callable[..., Any]:
+def _kernel(interpret: bool) -> Any:  # a triton JITFunction (untyped), launched as kernel[grid](...)
     """The jitted kernel, decorated on first use. `interpret` only keys the cache: triton.jit reads the mode."""
     if not triton_importable():
         raise RuntimeError("paged_attention needs triton (pip install triton) and a CUDA device or TRITON_INTERPRET=1")
@@ -238,7 +237,7 @@ def _kernel(interpret: bool) -> Callable[..., Any]:
     return triton.jit(_paged_attention_kernel, do_not_specialize=["stride_ts"])
 
 
-def _paged_attention_kernel(
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: its annotations are Triton's
     q_ptr,
     k_ptr,
     v_ptr,
