@@ -74,8 +74,14 @@ def no_gemm_probe(monkeypatch):
 
 
 def _row_cells(stdout: str, engine: str) -> list[str]:
+    """The figures of an engine's table row (after its name and dtype)."""
     row = next(line for line in stdout.splitlines() if line.startswith(f"│ {engine} "))
-    return [c.strip() for c in row.strip("│").split("│")][1:]
+    return [c.strip() for c in row.strip("│").split("│")][2:]
+
+
+def _row_dtype(stdout: str, engine: str) -> str:
+    row = next(line for line in stdout.splitlines() if line.startswith(f"│ {engine} "))
+    return [c.strip() for c in row.strip("│").split("│")][1]
 
 
 def test_three_engines_give_rows_with_equal_output_counts_and_json_matching_the_table(tiny_llama_dir, tmp_path, invoke):
@@ -386,3 +392,107 @@ def test_usage_errors_are_one_line_with_exit_code_2(tiny_llama_dir, invoke, args
     errors = [line for line in result.stderr.splitlines() if line.startswith("cbrun: error:")]
     assert len(errors) == 1 and message in errors[0]
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+# -- each engine's dtype, --plot, random models of real shapes (issue 24) ----------------------------------
+
+
+def test_the_table_names_each_engines_dtype_and_cbruns_linear_kernels(tiny_llama_dir, tmp_path, invoke, no_gemm_probe):
+    out_json = tmp_path / "bench.json"
+    result = invoke(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--engine",
+            "cbrun",
+            "--dtype",
+            "bfloat16",
+            "--output-json",
+            str(out_json),
+            *SMALL,
+        ]
+    )
+    assert result.exit_code == 0, result.output
+    entry = json.loads(out_json.read_text())["results"][0]
+    assert entry["dtype"] == "bfloat16" and _row_dtype(result.stdout, "cbrun") == "bfloat16"
+    assert "linear kernels: bfloat16 dpbf16-" in result.stdout
+    assert entry["details"]["linear_kernels"].startswith("bfloat16 dpbf16-")
+
+
+def test_plot_draws_the_engines_side_by_side(tiny_llama_dir, tmp_path, invoke, no_gemm_probe):
+    pytest.importorskip("matplotlib")
+    for name in ("bench.png", "bench.svg"):
+        target = tmp_path / name
+        result = invoke(["--model", str(tiny_llama_dir), "--engine", "cbrun", "--plot", str(target), *SMALL])
+        assert result.exit_code == 0, result.output
+        head = target.read_bytes()[:200]
+        assert head.startswith(b"\x89PNG") if name.endswith(".png") else b"<svg" in head or b"<?xml" in head
+
+
+def test_plot_caption_names_the_machine_model_and_dtypes():
+    from cbrun.bench.plot import caption
+
+    report = {
+        "machine": {
+            "cpu_model": "Test CPU",
+            "cpu_cores": 2,
+            "torch_threads": 2,
+            "cpu_flags": {"avx2": True, "avx512_bf16": True, "amx_bf16": False},
+            "torch": "2.13",
+            "transformers": "5.24",
+        },
+        "config": {
+            "model": "m",
+            "workload": "random",
+            "num_prompts": 3,
+            "num_input_tokens": 30,
+            "max_output_tokens": 9,
+            "temperature": 1.0,
+        },
+    }
+    text = caption(report)
+    assert "Test CPU" in text and "avx512_bf16" in text and "amx_bf16" not in text and "model m" in text
+
+
+def test_plot_and_vllm_dtype_and_random_models_are_checked_before_the_run(tiny_llama_dir, tmp_path, invoke):
+    bad_plot = invoke(["--model", str(tiny_llama_dir), "--plot", str(tmp_path / "x.pdf"), *SMALL])
+    assert bad_plot.exit_code == 2 and ".png or .svg" in bad_plot.stderr
+    bad_dtype = invoke(["--model", str(tiny_llama_dir), "--vllm-dtype", "int8", *SMALL])
+    assert bad_dtype.exit_code == 2 and "--vllm-dtype" in bad_dtype.stderr
+    unknown = invoke(["--model", "random:gpt-9", *SMALL])
+    assert unknown.exit_code == 2 and "qwen3-1.7b" in unknown.stderr
+
+
+def test_a_random_model_of_a_real_shape_is_built_once_and_loads(tmp_path, monkeypatch, tiny_tokenizer):
+    """random:NAME builds the architecture from its config with seeded weights, saved once for every engine
+    (here a tiny stand-in shape, and the tiny tokenizer instead of SmolLM2's)."""
+    import cbrun.models
+    from cbrun.bench import random_model
+    from cbrun.models import load_model
+
+    monkeypatch.setenv("CBRUN_CACHE", str(tmp_path))
+    monkeypatch.setitem(
+        random_model.SHAPES,
+        "tiny-test",
+        (
+            "qwen3",
+            dict(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                max_position_embeddings=256,
+                tie_word_embeddings=True,
+            ),
+        ),
+    )
+    monkeypatch.setattr(cbrun.models, "load_model", lambda *a, **k: (None, tiny_tokenizer))
+    first = random_model.random_model_dir("random:tiny-test")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert random_model.random_model_dir("random:tiny-test") == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.undo()
+    model, _ = load_model(str(first), dtype="bfloat16", device="cpu")
+    assert model.config.model_type == "qwen3" and model.config.num_hidden_layers == 2

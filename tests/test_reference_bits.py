@@ -9,7 +9,7 @@ must match the AVX-512 machine that wrote the file, and vice versa.
 
 When the arithmetic changes on purpose, rewrite the file and say so in the
 commit: CBRUN_WRITE_REFERENCE=1 python -m pytest tests/test_reference_bits.py
-(with -m slow too, for the real model's entries).
+(the real model's entries too: plain pytest runs the slow tier).
 """
 
 from __future__ import annotations

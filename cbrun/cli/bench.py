@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from cbrun.bench.random_model import RandomModelError, is_random, random_model_dir
 from cbrun.cli.common import (
     DEFAULT_MODEL,
     EXIT_OK,
@@ -139,6 +140,14 @@ def bench(
             rich_help_panel=MODEL_PANEL,
         ),
     ] = None,
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Also draw the figures side by side into this .png or .svg (needs pip install 'cbrun[plot]').",
+            show_default=False,
+            rich_help_panel=OUTPUT_PANEL,
+        ),
+    ] = None,
     output_json: Annotated[
         Optional[Path],
         typer.Option(help="Also write the report as JSON here.", show_default=False, rich_help_panel=OUTPUT_PANEL),
@@ -194,7 +203,20 @@ def bench(
         import torch
 
         torch.set_num_threads(threads)
+    if plot is not None:
+        from cbrun.bench.plot import PlotError, check_target
+
+        try:
+            check_target(plot)
+        except PlotError as exc:
+            raise CliError(str(exc)) from None
     progress = Progress(quiet=quiet)
+    if is_random(model):  # a real architecture at a real size, random weights, saved once for every engine
+        progress.message(f"[bench] building {model} (once; cached)")
+        try:
+            model = str(random_model_dir(model))
+        except RandomModelError as exc:
+            raise CliError(str(exc)) from None
     progress.message(f"[bench] loading {model}")
     model_obj, tokenizer = load_model(model, dtype, device, revision)
 
@@ -261,6 +283,10 @@ def bench(
     print_report(report)
     if output_json is not None:
         output_json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if plot is not None:
+        from cbrun.bench.plot import plot as draw
+
+        draw(report, plot)
     return EXIT_ROWS_FAILED if any(e["status"] == "failed" for e in report["results"]) else EXIT_OK
 
 

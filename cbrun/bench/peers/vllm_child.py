@@ -44,9 +44,16 @@ def run(job):
         vllm_version=vllm.__version__,
         startup_s=startup_s,
         warmup_s=warmup["wall_s"],
-        dtype=str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
+        dtype=resolved_dtype(llm, job["dtype"]),
     )
     return timed
+
+
+def resolved_dtype(llm, asked):
+    """The dtype vLLM computes in ("auto" resolved), where its engine says; else what was asked."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    dtype = getattr(config, "dtype", None)
+    return str(dtype).replace("torch.", "") if dtype is not None else asked
 
 
 def run_pass(llm, spec):

@@ -1,0 +1,51 @@
+"""`cbrun info` and `cbrun --version`: what a user pastes into a bug report, and the --kernels option."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cbrun.cli.app import main
+from cbrun.engine.cpu.kernels import cpu_flags, load_cpu_kernels
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"cbrun {version('cbrun')}"
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="the compiled CPU kernels cannot be built here")
+def test_info_names_the_cpu_the_build_each_dtypes_method_and_what_auto_picks(capsys):
+    has_bf16 = "avx512_bf16" in cpu_flags().split()
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info) >= {"versions", "cpu", "kernels", "linear_methods", "dtype_auto_cpu"}
+    assert set(info["versions"]) >= {"cbrun", "torch", "transformers"}
+    assert info["kernels"]["built"] and info["kernels"]["linear_vector_lanes"] in (8, 16)
+    assert info["linear_methods"]["float32"]["method"] == "f32"
+    bf16 = info["linear_methods"]["bfloat16"]
+    assert bf16["method"] == ("dpbf16-isa" if has_bf16 else "dpbf16-twin") and bf16["same_bits_on_every_cpu"]
+    assert all(check["passed"] for check in bf16["checks"] if check["method"] == bf16["method"])
+    auto = info["dtype_auto_cpu"]["dtype"]
+    assert auto == ("bfloat16" if has_bf16 or "amx_bf16" in cpu_flags().split() else "float32")
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    for word in ("CPU", "ISA", "kernels", "float32", "bfloat16", "dtype auto", bf16["method"]):
+        assert word in text
+
+
+def test_kernels_option_reaches_the_engine_config_and_is_checked():
+    from cbrun.cli.common import CliError, build_engine_config
+
+    assert build_engine_config(kernels="fastest").kernels == "fastest"
+    assert build_engine_config().kernels == "portable"
+    with pytest.raises(CliError, match="kernels must be one of portable, fastest"):
+        build_engine_config(kernels="quick")
+
+
+def test_info_refuses_an_unknown_policy(capsys):
+    assert main(["info", "--kernels", "quick"]) == 2
+    assert "--kernels must be portable or fastest" in capsys.readouterr().err
