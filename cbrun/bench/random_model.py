@@ -12,6 +12,7 @@ the real shape, the output head is smaller than the real one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -90,10 +91,8 @@ def random_model_dir(spec: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f"{target.name}.", dir=target.parent))
     _build(name, dtype, seed, scratch)
     (scratch / "COMPLETE").write_text(f"{spec} {dtype} seed {seed}\n")
-    try:
+    with contextlib.suppress(OSError):  # another run built it meanwhile
         os.replace(scratch, target)
-    except OSError:  # another run built it meanwhile
-        pass
     return target
 
 
