@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from cbrun.data.openai_batch import OpenAIFormat
 from cbrun.data.prompts import BadRow, RowPreparer, RowSpec
@@ -29,6 +30,30 @@ from cbrun.data.reader import InputError, RawRow
 from cbrun.data.resume import ResumeState
 from cbrun.data.schema import is_killed
 from cbrun.engine.request import GenerationOutput
+
+if TYPE_CHECKING:
+    from cbrun.engine.engine import Engine
+
+
+class OutputFormat(Protocol):
+    """What a job needs of its output format (CbrunFormat, OpenAIFormat, ScoreFormat)."""
+
+    per_row: bool  # True: all samples of a row in one output row, written when the row finishes
+
+    def result_rows(self, spec: RowSpec, results: list[tuple[int, GenerationOutput]]) -> list[dict]: ...
+
+    def bad_row(self, bad: BadRow) -> dict: ...
+
+
+class RowWriter(Protocol):
+    """Where a job's output rows go (JsonlWriter, ParquetOutput)."""
+
+    def write(self, row: dict) -> None: ...
+
+    def maybe_flush(self) -> None: ...
+
+    def flush(self) -> None: ...
+
 
 DEFAULT_WINDOW = 4096
 PREFETCH_ROWS = 1024  # rows parsed ahead of the window
@@ -87,11 +112,11 @@ class GenerateJob:
 
     def __init__(
         self,
-        engine,
+        engine: Engine,
         rows: Iterable[RawRow],
         preparer: RowPreparer,
-        fmt,
-        writer,
+        fmt: OutputFormat,
+        writer: RowWriter,
         *,
         openai: OpenAIFormat | None = None,
         resume: ResumeState | None = None,
@@ -165,13 +190,13 @@ class GenerateJob:
                 continue
             specs.append(spec)
             missing[spec.index] = samples
-        ready = []
+        ready: list[RowSpec] = []
         for item in self.preparer.tokenize(specs):
             if isinstance(item, BadRow):
                 self._write_bad(item)
             else:
                 ready.append(item)
-        ready.sort(key=lambda spec: spec.token_ids)  # shared prefixes adjacent: prefix-cache hits
+        ready.sort(key=lambda spec: spec.token_ids or [])  # shared prefixes adjacent: prefix-cache hits (all set)
         for spec in ready:
             self._add(spec, missing[spec.index])
 
@@ -194,6 +219,7 @@ class GenerateJob:
         request_id = str(spec.index)
         self._requests[request_id] = _Request(row, n)
         token_ids = spec.token_ids
+        assert token_ids is not None  # tokenized, not yet submitted
         if not self._keep_prompt_ids:
             spec.token_ids = None  # the engine holds its own copy; in-flight rows stay small
         self.engine.add_request(token_ids, spec.sampling, request_id=request_id)
@@ -292,7 +318,7 @@ class _Prefetch:
             return
         self._put(_END)
 
-    def _put(self, item) -> bool:
+    def _put(self, item: object) -> bool:
         while not self._closed.is_set():
             try:
                 self._queue.put(item, timeout=POLL_SECONDS)

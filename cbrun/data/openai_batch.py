@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cbrun.data.constraints import response_format_fields
 from cbrun.data.prompts import BadRow, RowSpec
 from cbrun.data.reader import RawRow
 from cbrun.data.schema import RowKey, bad_row_number, engine_error, is_killed
 from cbrun.engine.request import GenerationOutput
+
+if TYPE_CHECKING:
+    from cbrun.engine.model_spec import Tokenizer
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
@@ -94,7 +97,7 @@ class OpenAIFormat:
 
     per_row = True
 
-    def __init__(self, tokenizer, model_name: str):
+    def __init__(self, tokenizer: Tokenizer, model_name: str):
         self.tokenizer = tokenizer
         self.model_name = model_name
 

@@ -13,13 +13,18 @@ tokenizer encodes many texts in one call.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cbrun.data.chat import ChatContentError, flatten_messages
 from cbrun.data.constraints import row_constraint
 from cbrun.data.reader import RawRow
 from cbrun.engine.config import ConfigError, SamplingParams
+
+if TYPE_CHECKING:
+    from cbrun.engine.model_spec import Tokenizer
 
 PROMPT_FIELDS = ("prompt", "messages", "input_ids")
 SAMPLING_OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
@@ -55,10 +60,13 @@ class RowSpec:
     field: str
     value: Any
     sampling: SamplingParams
-    keep: dict = field(default_factory=dict)
+    keep: dict = dataclasses.field(default_factory=dict)  # (`field` is a str attribute in this class's scope)
     meta: dict | None = None
     token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+
+
+SpecT = TypeVar("SpecT", bound=RowSpec)  # a RowSpec or a subclass (score rows): tokenize hands back the same kind
 
 
 class RowPreparer:
@@ -75,7 +83,7 @@ class RowPreparer:
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: Tokenizer,
         base: SamplingParams,
         *,
         max_context: int,
@@ -169,14 +177,14 @@ class RowPreparer:
 
     # --- step 2: token ids ----------------------------------------------------
 
-    def tokenize(self, specs: list[RowSpec]) -> list[RowSpec | BadRow]:
+    def tokenize(self, specs: Sequence[SpecT]) -> list[SpecT | BadRow]:
         """Fill in `token_ids` for each spec (texts encoded in few tokenizer calls).
 
         Text prompts are encoded as the tokenizer does by default (special tokens
         added); rendered chats already hold their special tokens.
         """
-        results: list[RowSpec | BadRow] = []
-        to_encode: list[tuple[RowSpec, str, bool]] = []  # (spec, text, add_special_tokens)
+        results: list[SpecT | BadRow] = []
+        to_encode: list[tuple[SpecT, str, bool]] = []  # (spec, text, add_special_tokens)
         for spec in specs:
             if spec.kind == "ids":
                 spec.token_ids = spec.value if isinstance(spec.value, list) else list(spec.value)
@@ -205,7 +213,7 @@ class RowPreparer:
         except Exception as exc:  # jinja errors, missing keys: the row is bad, the job goes on
             return _bad_from(spec, f"{spec.field}: chat template failed: {exc}")
 
-    def _check(self, spec: RowSpec) -> RowSpec | BadRow:
+    def _check(self, spec: SpecT) -> SpecT | BadRow:
         ids = spec.token_ids or []
         spec.num_prompt_tokens = len(ids)
         if not ids:

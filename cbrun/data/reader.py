@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 PARQUET_BATCH_ROWS = 1024
 
@@ -174,7 +174,7 @@ def _open_jsonl_parts(directory: Path) -> InputSource:
                 yield raw
 
     counts = [count_jsonl_rows(f) for f in files]
-    total = None if None in counts else sum(counts)
+    total = None if None in counts else sum(c for c in counts if c is not None)
     return InputSource(str(directory), rows(), total)
 
 
@@ -267,7 +267,7 @@ def _open_hf(name: str, split: str | None) -> InputSource:
     return InputSource(name, rows(), total)
 
 
-def _pick_split(dd, split: str | None, name: str):
+def _pick_split(dd: Any, split: str | None, name: str) -> Any:  # a datasets.DatasetDict and one of its splits
     if split is None:
         if len(dd) == 1:
             return next(iter(dd.values()))
@@ -277,7 +277,7 @@ def _pick_split(dd, split: str | None, name: str):
     return dd[split]
 
 
-def _streaming_total(ds, split: str) -> int | None:
+def _streaming_total(ds: Any, split: str) -> int | None:  # ds: a datasets dataset (untyped)
     info = getattr(ds, "info", None)
     splits = getattr(info, "splits", None) or {}
     try:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from cbrun.data.prompts import BadRow, RowSpec
 from cbrun.engine.request import GenerationOutput
@@ -62,7 +63,7 @@ class RowKey:
     killed: written by a run that was stopped hard; the work must be redone.
     """
 
-    id: str | None
+    id: str
     samples: tuple[int, ...] = ()
     bad_row: int | None = None
     all: bool = False
@@ -167,7 +168,7 @@ class CbrunFormat:
             return RowKey(str(row["id"]), bad_row=bad, failed=True)
         return RowKey(str(row["id"]), samples=(int(row["sample"]),), failed=reason == "error")
 
-    def arrow_schema(self, keep_types: dict | None = None):
+    def arrow_schema(self, keep_types: dict | None = None) -> Any:  # a pyarrow.Schema (pyarrow is untyped)
         """The Parquet schema; keep columns take the types found in the data (string if unknown)."""
         import pyarrow as pa
 

@@ -26,15 +26,20 @@ same window, prefix-sorted submission, resume, stop and error rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from cbrun.data.job import GenerateJob, _Request, _Row
-from cbrun.data.prompts import BadRow, RowPreparer, RowSpec, _bad_from, _row_id
+from cbrun.data.job import GenerateJob, RowWriter, _Request, _Row
+from cbrun.data.prompts import BadRow, RowPreparer, RowSpec, SpecT, _bad_from, _row_id
 from cbrun.data.reader import RawRow
 from cbrun.data.schema import STOPPED_MARKER, RowKey, bad_row_number, engine_error
 from cbrun.engine.config import SamplingParams
 from cbrun.engine.request import GenerationOutput
+
+if TYPE_CHECKING:
+    from cbrun.engine.engine import Engine
+    from cbrun.engine.model_spec import Tokenizer
 
 COMPLETION_FIELDS = ("completions_token_ids", "completions", "completion_token_ids", "completion")
 TEXT_FIELDS = ("completions", "completion")
@@ -68,12 +73,15 @@ class ScoreRowSpec(RowSpec):
     completion_ids: list[list[int]] | None = None
 
 
+ScoreSpecT = TypeVar("ScoreSpecT", bound=ScoreRowSpec)
+
+
 class ScorePreparer(RowPreparer):
     """Validates score rows; prompts are built as `generate` builds them (see `RowPreparer`)."""
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: Tokenizer,
         *,
         max_context: int,
         vocab_size: int,
@@ -150,22 +158,24 @@ class ScorePreparer(RowPreparer):
             return "ids", SCORE_PROMPT_IDS, value
         return self._prompt_source(record)
 
-    def tokenize(self, specs: list[ScoreRowSpec]) -> list[ScoreRowSpec | BadRow]:
-        """Prompt token ids as `RowPreparer.tokenize`; completion texts encoded alone, no special tokens."""
+    def tokenize(self, specs: Sequence[SpecT]) -> list[SpecT | BadRow]:
+        """Prompt token ids as `RowPreparer.tokenize`; completion texts encoded alone, no special tokens.
+        (Score rows are ScoreRowSpecs; any other spec is tokenized as `RowPreparer` does.)"""
         results = super().tokenize(specs)
         ready = [spec for spec in results if isinstance(spec, ScoreRowSpec)]
-        texts = [c for spec in ready if spec.completion_field in TEXT_FIELDS for c in spec.completions]
+        texts = [c for spec in ready if spec.completion_field in TEXT_FIELDS for c in _given(spec)]
         encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
         for spec in ready:
             if spec.completion_field in TEXT_FIELDS:
-                spec.completion_ids = [list(next(encoded)) for _ in spec.completions]
+                spec.completion_ids = [list(next(encoded)) for _ in _given(spec)]
             else:
-                spec.completion_ids = [list(c) for c in spec.completions]
+                spec.completion_ids = [list(c) for c in _given(spec)]
             spec.completions = None
         return [self._check_completions(r) if isinstance(r, ScoreRowSpec) else r for r in results]
 
-    def _check_completions(self, spec: ScoreRowSpec) -> ScoreRowSpec | BadRow:
+    def _check_completions(self, spec: ScoreSpecT) -> ScoreSpecT | BadRow:
         multi = spec.completion_field.startswith("completions")
+        assert spec.completion_ids is not None  # set by tokenize just before
         for index, ids in enumerate(spec.completion_ids):
             name = f"{spec.completion_field}[{index}]" if multi else spec.completion_field
             if not ids:
@@ -183,6 +193,12 @@ class ScorePreparer(RowPreparer):
                     f"({len(ids)} tokens) exceed the model's context of {self.max_context} tokens",
                 )
         return spec
+
+
+def _given(spec: ScoreRowSpec) -> list[Any]:
+    """The completions as given; present from `parse` until `tokenize` turns them into ids."""
+    assert spec.completions is not None
+    return spec.completions
 
 
 def _completions(record: dict) -> tuple[str, list[Any]] | str:
@@ -295,7 +311,7 @@ class ScoreFormat:
             return RowKey(str(row["id"]), bad_row=bad, failed=True)
         return RowKey(str(row["id"]), samples=(int(row["sample"]),), failed=error is not None)
 
-    def arrow_schema(self, keep_types: dict | None = None):
+    def arrow_schema(self, keep_types: dict | None = None) -> Any:  # a pyarrow.Schema (pyarrow is untyped)
         """The Parquet schema; keep columns take the types found in the data (string if unknown)."""
         import pyarrow as pa
 
@@ -321,17 +337,19 @@ class ScoreJob(GenerateJob):
     """`GenerateJob` submitting scoring requests: one engine request id per input row, one
     result (sample) per completion; resume skips every (id, sample) already written."""
 
+    preparer: ScorePreparer
+
     def __init__(
         self,
-        engine,
-        rows,
+        engine: Engine,
+        rows: Iterable[RawRow],
         preparer: ScorePreparer,
         fmt: ScoreFormat,
-        writer,
+        writer: RowWriter,
         *,
         prompt_logprobs: bool = False,
         top_logprobs: int = 0,
-        **kwargs,
+        **kwargs: Any,
     ):
         super().__init__(engine, rows, preparer, fmt, writer, **kwargs)
         self.prompt_logprobs = prompt_logprobs
@@ -352,21 +370,23 @@ class ScoreJob(GenerateJob):
                 continue
             specs.append(spec)
             missing[spec.index] = samples
-        ready = []
+        ready: list[ScoreRowSpec] = []
         for item in self.preparer.tokenize(specs):
             if isinstance(item, BadRow):
                 self._write_bad(item)
             else:
                 ready.append(item)
-        ready.sort(key=lambda spec: (spec.token_ids, spec.completion_ids))  # shared prompts adjacent
+        # shared prompts adjacent (every tokenized row has both lists)
+        ready.sort(key=lambda spec: (spec.token_ids or [], spec.completion_ids or []))
         for spec in ready:
-            self._add(spec, missing[spec.index])
+            self._add_score(spec, missing[spec.index])
 
-    def _add(self, spec: ScoreRowSpec, samples: list[int]) -> None:
+    def _add_score(self, spec: ScoreRowSpec, samples: list[int]) -> None:
         row = _Row(spec, remaining=len(samples))
         self.progress.rows_in_flight += 1
         request_id = str(spec.index)
         self._requests[request_id] = _Request(row, len(samples))
+        assert spec.token_ids is not None and spec.completion_ids is not None  # tokenized, not yet submitted
         by_sample = dict(zip(spec.samples, spec.completion_ids))
         self.engine.add_score_request(
             spec.token_ids,

@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from cbrun.data.schema import STOPPED_MARKER, CbrunFormat
 
@@ -62,7 +62,7 @@ class JsonlWriter:
         self.rows_written = 0
 
     @classmethod
-    def open(cls, path: Path, append: bool, **kwargs) -> JsonlWriter:
+    def open(cls, path: Path, append: bool, **kwargs: Any) -> JsonlWriter:
         return cls(open(path, "ab" if append else "wb"), **kwargs)
 
     def write(self, row: dict) -> None:
@@ -94,7 +94,7 @@ class JsonlWriter:
 class ParquetOutput:
     """A Parquet output written through a JSON Lines journal (see the module docstring)."""
 
-    def __init__(self, path: Path, fmt: CbrunFormat, **kwargs):
+    def __init__(self, path: Path, fmt: CbrunFormat, **kwargs: Any):
         self.path = path
         self.journal = journal_path(path)
         self.fmt = fmt
@@ -160,7 +160,7 @@ def _journal_chunks(journal: Path) -> Iterator[list[dict]]:
         yield rows
 
 
-def _keep_types(journal: Path, keep: tuple[str, ...], old) -> dict:
+def _keep_types(journal: Path, keep: tuple[str, ...], old: Any) -> dict:  # old: a pyarrow ParquetFile or None
     """Arrow type of each kept input column, and whether it must be stored as text.
 
     Types are inferred from the data (a first pass over the journal); a column
@@ -188,7 +188,7 @@ def _keep_types(journal: Path, keep: tuple[str, ...], old) -> dict:
     return result
 
 
-def _unify(types: list):
+def _unify(types: list) -> Any:  # pyarrow types (pyarrow is untyped)
     import pyarrow as pa
 
     if not types:
@@ -271,7 +271,7 @@ class ParquetParts:
         self.rows_written = 0
         directory.mkdir(exist_ok=True)
 
-    def write_table(self, table) -> Path:
+    def write_table(self, table: Any) -> Path:  # a pyarrow.Table
         import pyarrow.parquet as pq
 
         path = self.directory / f"{self.prefix}-{self.parts:05d}.parquet"
