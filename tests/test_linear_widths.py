@@ -22,7 +22,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbrun.engine.cpu import kernels as kernel_module
 from cbrun.engine.cpu.kernels import build_kernels, cpu_flags, load_cpu_kernels
 
 ROWS = (1, 5, 8, 9, 16, 17, 31, 33, 100, 257)
@@ -64,8 +63,8 @@ def _assert_close(got: torch.Tensor, reference: torch.Tensor, bound: torch.Tenso
 def test_builds_report_their_width_and_panel_rows(builds):
     for width, kernels in builds.items():
         assert kernels._lib.linear_vec_width() == width
-        # the scratch CpuKernels allocates for the packed panels assumes this many rows per panel
-        assert kernels._lib.linear_panel_rows() == kernel_module._PANEL_ROWS
+        # the scratch CpuKernels allocates for the packed panels is sized by the library's own panel rows
+        assert kernels.vector_width == width and kernels.panel_rows == kernels._lib.linear_panel_rows() == 16
 
 
 def test_default_build_uses_the_cpus_width():
@@ -73,8 +72,8 @@ def test_default_build_uses_the_cpus_width():
     if kernels is None:
         pytest.skip("compiled CPU kernels unavailable")
     expected = 16 if "avx512f" in cpu_flags().split() else 8
-    assert kernels._lib.linear_vec_width() == expected
-    assert kernels._lib.linear_panel_rows() == kernel_module._PANEL_ROWS
+    assert kernels._lib.linear_vec_width() == expected == kernels.vector_width
+    assert kernels.panel_rows == kernels._lib.linear_panel_rows()
 
 
 # (x, weights and biases, output): fp32 and bf16 weights, bf16 inputs and outputs

@@ -40,7 +40,22 @@ def reference(tiny_llama_dir):
 
 
 def score(model_dir, source: Path, out: Path, *extra) -> int:
-    return main(["score", str(source), str(out), "-m", str(model_dir), "-q", "--num-blocks", "256", *extra])
+    """`cbrun score` in fp32 (compared with fp32 references; --dtype auto is bf16 on CPUs with bf16 dot products)."""
+    return main(
+        [
+            "score",
+            str(source),
+            str(out),
+            "-m",
+            str(model_dir),
+            "-q",
+            "--num-blocks",
+            "256",
+            "--dtype",
+            "float32",
+            *extra,
+        ]
+    )
 
 
 def test_generate_output_is_valid_input_and_greedy_completions_score_as_greedy(tiny_llama_dir, tmp_path, reference):
@@ -62,6 +77,8 @@ def test_generate_output_is_valid_input_and_greedy_completions_score_as_greedy(t
                 str(generated),
                 "-m",
                 str(tiny_llama_dir),
+                "--dtype",
+                "float32",
                 "-q",
                 "--temperature",
                 "0",

@@ -56,6 +56,8 @@ _FLAGS = ["-O3", f"-march={_MARCH}", "-ffp-contract=fast", "-fopenmp", "-shared"
 # of a fused multiply-add, so a kernel's sums would round differently on an AMD and an Intel machine (measured:
 # the fp32 attention differed between -march=znver3 and -march=sapphirerapids builds). Form FMAs everywhere.
 _GCC_FLAGS = ["--param=avoid-fma-max-bits=0"]
+# Reported, not fatal, at a user's build; tests/test_linear_methods.py builds every source with -Werror.
+_WARNINGS = ["-Wall", "-Wextra", "-Wno-psabi"]
 _lock = threading.Lock()
 _kernel: CpuKernels | None = None
 _tried = False
@@ -80,8 +82,12 @@ def _compiler() -> str:
 
 
 def _flags(compiler: str) -> list[str]:
-    """The build's flags for this compiler (GCC gets its FMA-forming parameter)."""
-    return [*_FLAGS, *(_GCC_FLAGS if _is_gcc(compiler) else [])]
+    """The build's flags for this compiler. GCC gets its FMA-forming parameter; clang contracts only within a
+    statement (-ffp-contract=on), since its "fast" fuses across statements and would change rotary's and the
+    softmax's roundings (GCC's "fast" fuses within expressions, which is what the kernels are written for)."""
+    if _is_gcc(compiler):
+        return [*_FLAGS, *_GCC_FLAGS]
+    return [flag if flag != "-ffp-contract=fast" else "-ffp-contract=on" for flag in _FLAGS]
 
 
 @functools.cache
@@ -137,16 +143,17 @@ def _compile(compiler: str, sources: list[Path], target: Path, extra_flags: tupl
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run(
-            [compiler, *_flags(compiler), *extra_flags, *map(str, sources), "-o", str(built), "-lm"],
+        result = subprocess.run(
+            [compiler, *_flags(compiler), *_WARNINGS, *extra_flags, *map(str, sources), "-o", str(built), "-lm"],
             check=True,
             capture_output=True,
             text=True,
         )
+        if result.stderr.strip():  # a compiler we have not seen warns: say so (tests build with -Werror)
+            log.warning("the CPU kernels built with warnings:\n%s", result.stderr.strip()[-4000:])
         os.replace(built, target)  # atomic: concurrent builders never see half a file
 
 
-_PANEL_ROWS = 16  # rows of x per packed panel (PANEL in csrc/panel.h)
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 # Every exported function: (restype, argtypes), declared once when the library is loaded.
@@ -195,6 +202,7 @@ _SIGNATURES = {
     "dp_linear": (_INT, [_P, _I64, _INT, _P, _I64, _I64, _INT, _P, _P, _P, _I64, _INT, _I64, _P, _INT, _INT]),
     "dp_block_outputs": (_INT, []),
     "linear_vec_width": (_INT, []),
+    "linear_panel_rows": (_INT, []),
 }
 _SIGNATURES["paged_attend_bf16"] = _SIGNATURES["paged_attend_f32"]
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
@@ -227,6 +235,7 @@ class CpuKernels:
         self._lib = library
         self.build_name = Path(library._name).stem  # names the build: sources, flags, compiler, CPU flags
         self.vector_width = int(library.linear_vec_width())  # fp32 lanes of the linear kernels (8 or 16)
+        self.panel_rows = int(library.linear_panel_rows())  # rows of x per packed panel (PANEL in panel.h)
         self.attend_functions = {dtype: getattr(library, name) for dtype, name in self._ATTEND.items()}
         self.max_gd = int(library.paged_attend_max_gd())
         self.segment = int(library.paged_attend_segment())  # keys per online-softmax segment
@@ -434,7 +443,7 @@ class CpuKernels:
 
     def _panel_scratch(self, rows: int, inner: int) -> torch.Tensor:
         """Room for the linear kernels' packed copy of x (16-row panels), kept per thread and grown on demand."""
-        needed = max(1, -(-rows // _PANEL_ROWS) * _PANEL_ROWS * inner)
+        needed = max(1, -(-rows // self.panel_rows) * self.panel_rows * inner)
         scratch = getattr(self._local, "panels", None)
         if scratch is None or scratch.numel() < needed:
             scratch = self._local.panels = torch.empty(needed, dtype=torch.float32)
