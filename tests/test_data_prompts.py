@@ -10,10 +10,10 @@ from cbrun.data.reader import RawRow
 from cbrun.engine.config import SamplingParams
 
 
-def make(**kwargs) -> RowPreparer:
+def make(base: SamplingParams | None = None, **kwargs) -> RowPreparer:
     options = {"max_context": 64, "vocab_size": FakeTokenizer.vocab_size}
     options.update(kwargs)
-    return RowPreparer(FakeTokenizer(), SamplingParams(max_tokens=8, temperature=0.0), **options)
+    return RowPreparer(FakeTokenizer(), base or SamplingParams(max_tokens=8, temperature=0.0), **options)
 
 
 def prepare(preparer: RowPreparer, record: dict | None, index: int = 0, error: str | None = None):
@@ -69,6 +69,18 @@ def test_sampling_overrides_apply_per_row():
         max_tokens=3, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=11, n=2, stop=("x", "y")
     )
     assert prepare(make(), {"prompt": "a", "stop": "x", "max_tokens": None}).sampling.stop == ("x",)
+
+
+def test_min_tokens_row_override_applies_with_max_tokens_and_bad_values_name_the_field():
+    held = make(base=SamplingParams(max_tokens=8, min_tokens=6, temperature=0.0))
+    both = prepare(held, {"prompt": "a", "max_tokens": 4, "min_tokens": 2.0})  # lowered together: valid
+    assert isinstance(both, RowSpec) and (both.sampling.max_tokens, both.sampling.min_tokens) == (4, 2)
+    assert prepare(make(), {"prompt": "a", "min_tokens": 5}).sampling.min_tokens == 5
+    for index, value in enumerate([-1, 9, 1.5, "3"]):
+        bad = prepare(make(), {"prompt": "a", "min_tokens": value}, index=index)
+        assert isinstance(bad, BadRow) and bad.message.startswith(f"row {index}: min_tokens: must be an integer")
+    below = prepare(held, {"prompt": "a", "max_tokens": 4})  # the job's min_tokens 6 over the row's max_tokens
+    assert isinstance(below, BadRow) and "min_tokens" in below.message and "max_tokens (4)" in below.message
 
 
 @pytest.mark.parametrize(

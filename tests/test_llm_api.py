@@ -213,7 +213,6 @@ def test_max_model_len_caps_the_completion_as_vllm_does(tiny_llama_dir):
             small.generate({"prompt_token_ids": list(range(3, 13))}, use_tqdm=False)
 
 
-@pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIELDS))
 def _not_neutral(neutral):
     """A value of the field's kind that differs from its neutral one (bool, int and float keys of one dict would
     collide: True == 1.0, 0 == 0.0)."""
@@ -226,12 +225,29 @@ def _not_neutral(neutral):
     return "x"
 
 
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIELDS))
 def test_unsupported_sampling_fields_raise_naming_the_field(name):
     neutral, _ = UNSUPPORTED_FIELDS[name]
     value = _not_neutral(neutral)
     with pytest.raises(UnsupportedFieldError, match=rf"SamplingParams\.{name}\b"):
         SamplingParams(**{name: value})
     SamplingParams(**{name: neutral})  # the neutral value is accepted
+
+
+def test_min_tokens_holds_back_a_stop_id_through_the_vllm_api(llm):
+    prompt = {"prompt_token_ids": [1, 40, 41, 42, 43]}
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    stop = free[0].outputs[0].token_ids[1]  # declared a stop id: without min_tokens it ends the completion early
+    early = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop], ignore_eos=True)
+    held = SamplingParams(temperature=0, max_tokens=10, min_tokens=6, stop_token_ids=[stop], ignore_eos=True)
+    ended, kept = (out.outputs[0] for out in llm.generate([prompt, prompt], [early, held], use_tqdm=False))
+    assert len(ended.token_ids) <= 2 and ended.finish_reason == "stop"
+    assert len(kept.token_ids) >= 6 and stop not in kept.token_ids[:6]
+    with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens"):
+        SamplingParams(min_tokens=-1)
+    assert SamplingParams(max_tokens=None, min_tokens=50).to_engine(8, vocab_size=10).min_tokens == 8  # context cap
 
 
 def test_unknown_or_unsupported_llm_options_raise_before_loading(tiny_llama_dir):

@@ -72,6 +72,7 @@ class GenerateOptions:
     prompt_column: str | None = None
     chat: bool = False
     max_tokens: int = 256
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float | None = None
     top_k: int | None = None
@@ -147,6 +148,13 @@ def generate(
         int, typer.Option(help="Read-ahead window: input rows in flight, prefix-sorted.", rich_help_panel=INPUT_PANEL)
     ] = 4096,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.", rich_help_panel=SAMPLING_PANEL)] = 256,
+    min_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Tokens generated before EOS, a stop id or a stop string may end a row.",
+            rich_help_panel=SAMPLING_PANEL,
+        ),
+    ] = 0,
     temperature: Annotated[float, typer.Option(help="0 is greedy.", rich_help_panel=SAMPLING_PANEL)] = 1.0,
     top_p: Annotated[
         Optional[float], typer.Option(help="Nucleus sampling (default off: 1.0).", rich_help_panel=SAMPLING_PANEL)
@@ -204,8 +212,8 @@ def generate(
         bool,
         typer.Option(
             "--masked-logprobs",
-            help="Constrained rows report logprobs of the masked distribution they were "
-            "sampled from (default: the model's, before the mask).",
+            help="Constrained rows (and rows under --min-tokens) report logprobs of the masked "
+            "distribution they were sampled from (default: the model's, before the mask).",
             rich_help_panel=STRUCTURED_PANEL,
         ),
     ] = False,
@@ -322,6 +330,7 @@ def generate(
         prompt_column=prompt_column,
         chat=chat,
         max_tokens=max_tokens,
+        min_tokens=min_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
@@ -622,6 +631,7 @@ def _sampling(opts: GenerateOptions):
 
     values = dict(
         max_tokens=opts.max_tokens,
+        min_tokens=opts.min_tokens,
         temperature=opts.temperature,
         top_p=opts.top_p,
         top_k=opts.top_k,

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from cbrun.engine.model_spec import Tokenizer
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
+PASSED_THROUGH = ("min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
 
 
 def looks_like_openai_batch(record: dict | None) -> bool:

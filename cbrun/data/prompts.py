@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from cbrun.engine.model_spec import Tokenizer
 
 PROMPT_FIELDS = ("prompt", "messages", "input_ids")
-SAMPLING_OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
-INT_FIELDS = {"max_tokens", "top_k", "seed", "n", "top_logprobs"}
+SAMPLING_OVERRIDES = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
+INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs"}
 ID_FIELDS = ("id", "custom_id")
 
 
@@ -125,16 +125,21 @@ class RowPreparer:
         if first != raw.index:
             return bad(f"id: duplicate id {row_id!r} (first used by row {first})")
 
-        sampling = self.base
         overrides = SAMPLING_OVERRIDES + (("top_logprobs",) if meta else ())
+        changes: dict[str, Any] = {}
         for name in overrides:
             value = record.get(name)
             if value is None:
                 continue
             try:
-                sampling = sampling.with_(**{name: _coerce(name, value)})
-            except (ConfigError, TypeError, ValueError) as exc:
-                return bad(f"{name}: {_strip_field(name, str(exc))}")
+                changes[name] = _coerce(name, value)
+            except ConfigError as exc:
+                return bad(f"{name}: {exc}")
+        try:  # all at once: a row may lower max_tokens and min_tokens together
+            sampling = self.base.with_(**changes) if changes else self.base
+        except (ConfigError, TypeError, ValueError) as exc:
+            name = next((n for n in changes if str(exc).startswith(n + " ")), next(iter(changes)))
+            return bad(f"{name}: {_strip_field(name, str(exc))}")
 
         constraint = row_constraint(record)  # the row's own structured-output constraint overrides the job's
         if isinstance(constraint, str):

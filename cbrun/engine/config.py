@@ -193,6 +193,11 @@ class SamplingParams:
     of the masked distribution the token was drawn from instead of the
     model's own (the default, as vLLM's raw logprobs); RL importance ratios
     need the masked one.
+    min_tokens: the request may not stop (EOS, stop_token_ids, stop strings)
+    before it has generated this many tokens: its stop and EOS ids are
+    masked from the logits until then (vLLM's min_tokens). Logprobs stay the
+    model's, before that mask, unless `masked_logprobs` is set. A grammar
+    that completes still ends the request.
     """
 
     max_tokens: int = 256
@@ -208,6 +213,7 @@ class SamplingParams:
     top_logprobs: int = 0
     structured: StructuredSpec | None = None
     masked_logprobs: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         structured: object = self.structured  # callers may pass the fields as a dict
@@ -226,6 +232,10 @@ class SamplingParams:
         _check(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be an integer >= 0 and <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
         )
         _check(
             _is_number(self.temperature) and self.temperature >= 0,

@@ -156,7 +156,11 @@ class EngineCore:
         return None if spec is None else self.grammars.check(spec)
 
     def add(self, request: Request) -> None:
-        spec = request.sampling.structured
+        params = request.sampling
+        if params.min_tokens and request.score is None:  # the ids min_tokens holds back
+            eos = () if params.ignore_eos else tuple(self.spec.eos_token_ids)
+            request.stop_ids = tuple(sorted({t for t in params.stop_token_ids + eos if 0 <= t < self.spec.vocab_size}))
+        spec = params.structured
         if spec is not None and request.grammar is None and request.score is None:
             request.grammar = GrammarState(spec, self.grammars.matcher(spec))
             self._mask_filler().submit([request.grammar])  # the first token's mask, ready by its prefill's end
@@ -299,15 +303,20 @@ class EngineCore:
         params = request.sampling
         if request.grammar is not None and request.grammar.complete:
             return "stop"
-        if token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in self.spec.eos_token_ids:
-            return "stop"
-        if self.detok.stop_string_hit(request):
+        if request.num_generated >= params.min_tokens and self._stops(request, token):
             return "stop"
         if request.num_generated >= params.max_tokens or request.num_tokens >= self.spec.max_context:
             return "length"
         return None
+
+    def _stops(self, request: Request, token: int) -> bool:
+        """Whether the token, or the text it completes, is one of the request's stops."""
+        params = request.sampling
+        if token in params.stop_token_ids:
+            return True
+        if not params.ignore_eos and token in self.spec.eos_token_ids:
+            return True
+        return self.detok.stop_string_hit(request)
 
     def _finish(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> None:
         request.status = status

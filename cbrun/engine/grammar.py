@@ -214,6 +214,22 @@ class MaskFiller:
         self._pool.shutdown(wait=True)
 
 
+def without_tokens(mask: torch.Tensor | None, token_ids: tuple[int, ...], vocab_size: int) -> torch.Tensor:
+    """A packed mask ([ceil(V / 32)] int32) allowing what `mask` allows (all of V when None) but `token_ids`.
+
+    When nothing would be left (a grammar that allows only those tokens), `mask` is returned as it is:
+    the grammar wins over min_tokens' hold on stop tokens.
+    """
+    words = (vocab_size + 31) // 32
+    banned = torch.full((words,), -1, dtype=torch.int32) if mask is None else mask.clone()  # [W]
+    for token in token_ids:
+        bit = token % 32
+        banned[token // 32] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF  # bit 31 is int32's sign bit
+    if mask is not None and not bool(banned.any()):
+        return mask
+    return banned
+
+
 def apply_masks(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:
     """Set the logits of tokens each mask disallows to -inf, in place, in its row only.
 

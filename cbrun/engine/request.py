@@ -141,6 +141,7 @@ class Request:
     prompt_logprobs: list[float] | None = None  # scoring: logprob of prompt token i + 1, per position i
     is_greedy: bool = True  # scoring: every completion token so far was the argmax
     grammar: GrammarState | None = None  # structured outputs: the matcher and next-token mask
+    stop_ids: tuple[int, ...] = ()  # ids that end it (stop_token_ids, EOS unless ignore_eos), set when added
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -179,6 +180,11 @@ class Request:
     def num_uncomputed(self) -> int:
         """Tokens whose K/V is not yet in the cache (the last one yields logits)."""
         return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def held_stop_ids(self) -> tuple[int, ...]:
+        """Ids barred from the next token: its stop ids while fewer than `min_tokens` tokens exist."""
+        return self.stop_ids if self.num_generated < self.sampling.min_tokens else ()
 
     @property
     def is_prefilling(self) -> bool:

@@ -7,7 +7,9 @@ filtering: the model's own distribution at that temperature.
 Structured outputs: a constrained row's disallowed tokens are set to -inf
 before anything else, so sampling (and greedy) only ever picks allowed
 tokens; its logprobs stay the model's (before the mask) unless the request
-sets `masked_logprobs`.
+sets `masked_logprobs`. min_tokens goes through the same mask: while a
+request has fewer than `min_tokens` tokens, its stop and EOS ids are added
+to its row's mask, with the same rule for logprobs.
 
 Randomness is counter-based: each sampled token uses one uniform number
 derived from (seed, sample index, token position) by a 64-bit mixer and
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cbrun.engine.config import SamplingParams
-from cbrun.engine.grammar import apply_masks
+from cbrun.engine.grammar import apply_masks, without_tokens
 from cbrun.engine.request import Request
 
 if TYPE_CHECKING:
@@ -69,22 +71,33 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], kernels: CpuKernel
     torch passes are kept few: greedy rows need an argmax and a logsumexp;
     sampled rows add one exp and one cumsum (plus a sort only for top-p).
 
-    Rows of requests with a grammar (structured outputs) first have every
-    token their grammar disallows set to -inf, in that row only (the mask is
-    the request's own, so batch invariance holds). Their logprobs are the
+    Rows of requests with a grammar (structured outputs), or still short of
+    their `min_tokens`, first have every token their grammar disallows (and
+    their stop and EOS ids) set to -inf, in that row only (the mask is the
+    request's own, so batch invariance holds). Their logprobs are the
     model's, before the mask, unless the request asks for `masked_logprobs`.
     """
     logits = logits.float()  # [N, V]
-    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None or r.held_stop_ids]
     if not constrained:
         return _sample(logits, requests, kernels)
     model_rows = [i for i in constrained if not requests[i].sampling.masked_logprobs]
     raw = logits[model_rows].clone() if model_rows else None  # [m, V] the model's logits, before the mask
-    apply_masks(logits, constrained, [grammar.allowed_mask() for r in requests if (grammar := r.grammar) is not None])
+    apply_masks(logits, constrained, [_row_mask(requests[i], logits.shape[1]) for i in constrained])
     picked = _sample(logits, requests, kernels)
     if raw is not None:
         _model_logprobs(picked, raw, model_rows, requests, kernels)
     return picked
+
+
+def _row_mask(request: Request, vocab_size: int) -> torch.Tensor:
+    """The packed mask of what the request may pick next: its grammar's, less its held stop ids."""
+    mask = request.grammar.allowed_mask() if request.grammar is not None else None
+    held = request.held_stop_ids
+    if not held:
+        assert mask is not None  # a row is masked for its grammar or for held stop ids
+        return mask
+    return without_tokens(mask, held, vocab_size)
 
 
 def _model_logprobs(

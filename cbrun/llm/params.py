@@ -21,7 +21,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "presence_penalty": (0.0, "cbrun's sampler has no repetition penalties"),
     "frequency_penalty": (0.0, "cbrun's sampler has no repetition penalties"),
     "repetition_penalty": (1.0, "cbrun's sampler has no repetition penalties"),
-    "min_tokens": (0, "cbrun cannot hold back EOS and stop tokens yet"),
     "bad_words": (None, "cbrun's sampler cannot ban words"),
     "logit_bias": (None, "cbrun's sampler has no logit bias"),
     "allowed_token_ids": (None, "cbrun's sampler cannot restrict the vocabulary"),
@@ -88,7 +87,8 @@ class SamplingParams:
     top_p, top_k (0 or -1: off), min_p, seed (per request; else drawn from the LLM's seed).
     max_tokens: new tokens at most (None: up to the context length). stop: strings that end a
     completion (cut from the text unless include_stop_str_in_output); stop_token_ids: ids that do.
-    ignore_eos: keep going past EOS. logprobs: K alternatives per generated token (0: the
+    ignore_eos: keep going past EOS. min_tokens: no EOS, stop id or stop string ends a completion
+    before it has this many tokens. logprobs: K alternatives per generated token (0: the
     sampled token only; -1: the whole vocabulary). prompt_logprobs: the same for every prompt
     token (teacher-forced scoring of the prompt). detokenize, skip_special_tokens: how `text` is made.
     structured_outputs (or guided_decoding): a StructuredOutputsParams the output must satisfy.
@@ -157,6 +157,11 @@ class SamplingParams:
                 )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"SamplingParams.max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
+            raise ValueError(
+                f"SamplingParams.min_tokens must be an integer >= 0 and <= max_tokens ({self.max_tokens}), "
+                f"got {self.min_tokens!r}"
+            )
         self.to_engine(max_tokens=1, vocab_size=1)  # the engine's own checks, named by field
 
     @property
@@ -164,9 +169,11 @@ class SamplingParams:
         return self.temperature < _SAMPLING_EPS
 
     def to_engine(self, max_tokens: int, vocab_size: int, seed: int | None = None) -> EngineSampling:
-        """The engine's parameters for one prompt (its max_tokens and seed decided by the caller)."""
+        """The engine's parameters for one prompt (its max_tokens and seed decided by the caller;
+        min_tokens is cut to it, as vLLM stops at the context's end whatever min_tokens says)."""
         return EngineSampling(
             max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),
             temperature=0.0 if self.greedy else self.temperature,
             top_k=0 if self.top_k == -1 else self.top_k,
             top_p=self.top_p,
