@@ -154,7 +154,8 @@ def test_report_table_lines_and_json_show_the_same_figures():
     assert shared["results"][0]["compute_ceiling_fraction_run_dtype"] == pytest.approx((72 / 2.0) * 0.269 / 150.0)
     for entry in (cbrun, static):
         row = next(line for line in text.splitlines() if line.startswith(f"│ {entry['engine']} "))
-        cells = [c.strip() for c in row.strip("│").split("│")][1:]
+        dtype, *cells = [c.strip() for c in row.strip("│").split("│")][1:]
+        assert dtype == entry["dtype"] == "float32"  # no engine said otherwise: the run's dtype
         for (_, key, digits), cell in zip(TABLE_COLUMNS, cells):
             assert cell.split()[0] == fmt(entry[key], digits), key
         assert (

@@ -145,3 +145,23 @@ def test_kernel_linears_install_and_uninstall():
         assert torch.equal(decoder(large)[:, :5], decoder(large[:, :5]))  # rows alone = rows in a crowd
         uninstall(patched)
     assert not any("forward" in m.__dict__ for m in patched)
+
+
+def test_token_masks_kernel_sets_what_torch_sets():
+    """Structured outputs and min_tokens: the compiled mask pass gives the logits torch's masked_fill gives."""
+    from cbrun.engine.grammar import apply_masks
+
+    torch.manual_seed(9)
+    vocab = 1000 + 13  # a partial last word
+    words = (vocab + 31) // 32
+    masks = [torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32) for _ in range(5)]
+    masks[0][:] = -1  # everything allowed
+    masks[1][:] = 0
+    masks[1][3] = 1 << 31 >> 31  # one word all ones (sign bit set), the rest banned
+    logits = torch.randn(8, vocab)
+    rows = [6, 0, 3, 1, 7]
+    expected, got = logits.clone(), logits.clone()
+    apply_masks(expected, rows, masks)
+    apply_masks(got, rows, masks, kernels)
+    assert torch.equal(expected.view(torch.int32), got.view(torch.int32))
+    assert torch.equal(got[[2, 4, 5]], logits[[2, 4, 5]])  # other rows untouched

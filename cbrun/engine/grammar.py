@@ -27,7 +27,7 @@ import logging
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -230,13 +230,18 @@ def without_tokens(mask: torch.Tensor | None, token_ids: tuple[int, ...], vocab_
     return banned
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:
+def apply_masks(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor], kernels: Any = None) -> None:
     """Set the logits of tokens each mask disallows to -inf, in place, in its row only.
 
     logits [N, V]; rows: indices into N; masks: packed [W] int32 each.
     Columns past the mask's 32 * W tokens (none when built for V) stay as they are.
+    With the compiled CPU kernels, one pass over the packed bits (unpacking them into torch tensors cost
+    ~90 ms a step for 96 rows of a 49,152-token vocabulary); the same -inf either way.
     """
     packed = torch.stack(masks).to(logits.device)  # [r, W]
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        kernels.apply_token_masks(logits, torch.tensor(rows, dtype=torch.long), packed.contiguous())
+        return
     allowed = ((packed[:, :, None] >> _BIT.to(logits.device)) & 1).bool()  # [r, W, 32]
     vocab = logits.shape[1]
     allowed = allowed.view(len(rows), -1)[:, :vocab]  # [r, V]

@@ -83,7 +83,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], kernels: CpuKernel
         return _sample(logits, requests, kernels)
     model_rows = [i for i in constrained if not requests[i].sampling.masked_logprobs]
     raw = logits[model_rows].clone() if model_rows else None  # [m, V] the model's logits, before the mask
-    apply_masks(logits, constrained, [_row_mask(requests[i], logits.shape[1]) for i in constrained])
+    apply_masks(logits, constrained, [_row_mask(requests[i], logits.shape[1]) for i in constrained], kernels)
     picked = _sample(logits, requests, kernels)
     if raw is not None:
         _model_logprobs(picked, raw, model_rows, requests, kernels)

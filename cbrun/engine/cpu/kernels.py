@@ -203,6 +203,7 @@ _SIGNATURES = {
     "dp_block_outputs": (_INT, []),
     "linear_vec_width": (_INT, []),
     "linear_panel_rows": (_INT, []),
+    "apply_token_masks": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _INT]),
 }
 _SIGNATURES["paged_attend_bf16"] = _SIGNATURES["paged_attend_f32"]
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
@@ -519,6 +520,31 @@ class CpuKernels:
         )
         _check(status, "dp_linear")
         return out
+
+    def apply_token_masks(self, logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
+        """In place: logits [N, V] fp32 (unit stride along V) get -inf at every token a row's packed mask
+        (masks [r, W] int32, bit t % 32 of word t / 32) disallows, in rows [r] int64 only."""
+        if (
+            logits.dtype != torch.float32
+            or logits.stride(1) != 1
+            or masks.dtype != torch.int32
+            or not masks.is_contiguous()
+            or rows.dtype != torch.int64
+            or masks.shape[0] != rows.numel()
+        ):
+            raise KernelError("apply_token_masks: fp32 logits with unit stride, int32 masks [r, W], int64 rows [r]")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]):
+            raise KernelError("apply_token_masks: a row index outside the logits")
+        self._lib.apply_token_masks(
+            _ptr(logits),
+            logits.stride(0),
+            _ptr(rows),
+            _ptr(masks),
+            rows.numel(),
+            masks.shape[1],
+            logits.shape[1],
+            torch.get_num_threads(),
+        )
 
     def _dp_scratch(self, elements: int) -> torch.Tensor:
         """Room for dp_linear's bf16 copy of x, kept per thread and grown on demand."""

@@ -52,3 +52,26 @@ void sample_rows_f32(const float* logits, int64_t N, int64_t V, int64_t row_stri
     token[r] = pick;
   }
 }
+
+/* Structured outputs and min_tokens: logits[rows[i]][t] = -inf for every token t < vocab whose bit is clear in
+ * masks[i] (packed: bit t % 32 of word t / 32; `words` words per row). An assignment per disallowed token, in
+ * that row only: the same values as torch's masked_fill, in one pass instead of unpacking the bits to a tensor. */
+void apply_token_masks(float* logits, int64_t ld, const int64_t* rows, const int32_t* masks, int64_t count,
+                       int64_t words, int64_t vocab, int threads) {
+  _Pragma("omp parallel for num_threads(threads) schedule(static)")
+  for (int64_t i = 0; i < count; ++i) {
+    float* row = logits + rows[i] * ld;
+    const uint32_t* mask = (const uint32_t*)(masks + i * words);
+    for (int64_t w = 0; w < words && w * 32 < vocab; ++w) {
+      const uint32_t bits = mask[w];
+      if (bits == 0xFFFFFFFFu) continue; /* all 32 allowed */
+      const int64_t base = w * 32;
+      if (base + 32 <= vocab) { /* a whole word: a select per lane, no branch (vectorizes) */
+        for (int b = 0; b < 32; ++b) row[base + b] = ((bits >> b) & 1u) ? row[base + b] : -INFINITY;
+        continue;
+      }
+      for (int b = 0; b < 32 && base + b < vocab; ++b)
+        if (!((bits >> b) & 1u)) row[base + b] = -INFINITY;
+    }
+  }
+}
