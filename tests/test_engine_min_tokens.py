@@ -10,6 +10,7 @@ from engine_helpers import random_prompts, reference_logprobs, run_engine
 
 from cbrun.engine import ConfigError, Engine, EngineConfig, SamplingParams
 from cbrun.engine.cpu.kernels import load_cpu_kernels
+from cbrun.engine.grammar import without_tokens
 from cbrun.models import load_model
 
 needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="compiled CPU kernels unavailable")
@@ -143,3 +144,12 @@ def test_bad_min_tokens_raise_naming_the_field(fields, message):
     with pytest.raises(ConfigError, match=message):
         SamplingParams(**fields)
     assert SamplingParams(max_tokens=4, min_tokens=4).min_tokens == 4
+
+
+def test_held_ids_leave_a_packed_mask_without_them_unless_a_grammar_allows_nothing_else():
+    held = without_tokens(None, (0, 31, 33, 63), vocab_size=64)  # bit 31 is int32's sign bit
+    allowed = ((held[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().view(-1)  # [64]
+    assert set(torch.nonzero(~allowed).view(-1).tolist()) == {0, 31, 33, 63}
+    grammar = torch.tensor([1 << 5, 0], dtype=torch.int32)  # allows token 5 only
+    assert torch.equal(without_tokens(grammar, (5,), vocab_size=64), grammar)  # the grammar wins
+    assert torch.equal(without_tokens(grammar, (6,), vocab_size=64), grammar)
