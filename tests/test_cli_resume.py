@@ -49,7 +49,9 @@ WORDS = [
     "keeps",
     "keys",
 ]
-NUM_ROWS = 24
+# Enough rows that a run at window 2 lasts well past the writer's first 2-second flush (the interrupt tests wait
+# for rows on disk, then stop the run: with 24 rows a fast CPU in bf16 had finished them all by then).
+NUM_ROWS = 96
 
 
 def prompts() -> list[dict]:
