@@ -370,11 +370,7 @@ class Engine:
         methods = getattr(self.core.backend, "method_choices", None)
         if not methods:
             return self.core.backend.name
-        return "; ".join(
-            f"{str(c.dtype).removeprefix('torch.')} {c.method.name if c.method else 'none'}"
-            f" ({'same bits on every CPU' if c.method and c.method.portable else 'this CPU only'})"
-            for c in methods
-        )
+        return "; ".join(choice.brief() for choice in methods)
 
     # -- weights and memory between rollouts -----------------------------------
     def update_weights(self, weights: WeightSource) -> int:

@@ -129,10 +129,6 @@ class CpuBackend(TorchBackend):
             f"{attention} attention; linear methods: {methods})"
         )
 
-    def linear_methods(self) -> dict[str, str]:
-        """The method serving each weight dtype ("float32" -> "f32"), for run summaries and `cbrun info`."""
-        return {str(c.dtype).removeprefix("torch."): c.method.name if c.method else "none" for c in self.method_choices}
-
 
 def _dtype_of(model: CausalLM) -> torch.dtype | None:
     """The dtype of the model's first floating-point parameter (its compute dtype)."""

@@ -43,6 +43,12 @@ class MethodChoice:
     method: LinearMethod | None
     checks: list[CheckResult] = field(default_factory=list)
 
+    def brief(self) -> str:
+        """ "bfloat16 dpbf16-isa (same bits on every CPU)": the run summary's line."""
+        name = self.method.name if self.method else "none"
+        bits = "same bits on every CPU" if self.method and self.method.portable else "this CPU only"
+        return f"{str(self.dtype).removeprefix('torch.')} {name} ({bits})"
+
     def summary(self) -> str:
         name = str(self.dtype).removeprefix("torch.")
         if self.method is None:
