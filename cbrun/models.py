@@ -138,7 +138,7 @@ def _auto_dtype(device: str) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if os.environ.get("CBRUN_KERNELS", "").lower() == "torch":
         return torch.float32  # the torch reference paths: no bf16 kernel to serve
-    from cbrun.engine.cpu.method_selector import bf16_dot_products_here
+    from cbrun.engine.backends.cpu.method_selector import bf16_dot_products_here
 
     ready, why = bf16_dot_products_here()
     log.info("--dtype auto on CPU: %s (%s)", "bfloat16" if ready else "float32", why)

@@ -8,7 +8,8 @@ silently computing something else.
 import pytest
 from transformers import AttentionInterface
 
-from cbrun.engine import Engine, EngineConfig, SamplingParams, attention
+from cbrun.engine import Engine, EngineConfig, SamplingParams
+from cbrun.engine.step import attention
 from cbrun.models import load_model
 
 EXPECTED_KWARGS = {

@@ -1,6 +1,6 @@
 """The compute-backend seam: which backend an engine gets, what the per-step batch carries, one host copy.
 
-The engine core wires one backend object (cbrun/engine/backend.py); the step's PagedBatch holds tensors
+The engine core wires one backend object (cbrun/engine/backends/base.py); the step's PagedBatch holds tensors
 and sizes only, and reaches an accelerator in one copy per dtype (device_copy.py). The Triton backend's
 kernels and its end-to-end run under the interpreter are in test_triton_attention.py and test_gpu.py.
 """
@@ -14,11 +14,12 @@ import torch
 from engine_helpers import random_prompts
 
 from cbrun.engine import ConfigError, Engine, EngineConfig, SamplingParams
-from cbrun.engine.backend import BackendUnavailable, TorchBackend, choose_backend
-from cbrun.engine.batch import HOST_ONLY, PagedBatch, SequenceRows
-from cbrun.engine.cpu.kernels import load_cpu_kernels
-from cbrun.engine.device_copy import to_device
+from cbrun.engine.backends.base import BackendUnavailable, TorchBackend
+from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.selector import choose_backend
 from cbrun.engine.model_spec import read_model_spec
+from cbrun.engine.step.batch import HOST_ONLY, PagedBatch, SequenceRows
+from cbrun.engine.step.device_copy import to_device
 from cbrun.models import load_model
 
 kernels = load_cpu_kernels()
@@ -133,7 +134,7 @@ def test_one_copy_per_dtype_moves_every_index_tensor_and_leaves_host_fields(tiny
 
 def test_triton_plan_cuts_rows_into_blocks_of_one_sequence():
     pytest.importorskip("triton")
-    from cbrun.engine.cuda.backend import CudaBackend
+    from cbrun.engine.backends.cuda.backend import CudaBackend
 
     backend = CudaBackend(torch.device("cpu"))
     backend.block_rows = 8

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from cbrun.engine.batch import DecodeLayout
-from cbrun.engine.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.cpu.kernels import load_cpu_kernels
-from cbrun.engine.torch_attention import decode as torch_decode
+from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
+from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.torch_attention import decode as torch_decode
+from cbrun.engine.step.batch import DecodeLayout
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -130,8 +130,8 @@ def test_linear_kernel_matches_f_linear(rows, out_features, in_features, with_bi
 
 
 def test_kernel_linears_install_and_uninstall():
-    from cbrun.engine.cpu.linear import install_linear_methods, uninstall
-    from cbrun.engine.cpu.linear_methods import F32
+    from cbrun.engine.backends.cpu.linear import install_linear_methods, uninstall
+    from cbrun.engine.backends.cpu.linear_methods import F32
 
     torch.manual_seed(6)
     decoder = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8, bias=False))

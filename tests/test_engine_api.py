@@ -185,7 +185,7 @@ def test_a_failing_step_fails_live_requests_and_the_engine_goes_on(llama, monkey
 
 
 def test_engine_start_releases_the_callers_openmp_pool(llama, monkeypatch):
-    """The loop thread's OpenMP pool must be the only one (cbrun/engine/cpu/openmp.py): Engine frees the caller's."""
+    """The loop thread's OpenMP pool must be the only one (engine/backends/cpu/openmp.py): Engine frees the caller's."""
     import cbrun.engine.engine as engine_module
 
     callers = []
@@ -201,7 +201,7 @@ def test_release_caller_threads_ends_this_threads_openmp_workers():
 
     import torch
 
-    from cbrun.engine.cpu.openmp import release_caller_threads
+    from cbrun.engine.backends.cpu.openmp import release_caller_threads
 
     if not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2:
         pytest.skip("needs Linux and at least two OpenMP threads")

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from cbrun.engine.cpu.kernels import load_cpu_kernels
-from cbrun.engine.cpu.linear_methods import F32
+from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.cpu.linear_methods import F32
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -115,8 +115,8 @@ def _load(directory, dtype="float32"):
 def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, dtype, request):
     """fp32: the stock function up to summation order. bf16: up to where it rounds (the stock forward rounds
     after every op, the fused one keeps the residual stream and the norms in fp32 within a layer)."""
-    from cbrun.engine.cpu.fused_layers import install_fused_layers, uninstall
-    from cbrun.engine.cpu.linear_methods import DP_TWIN
+    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers, uninstall
+    from cbrun.engine.backends.cpu.linear_methods import DP_TWIN
 
     model = _load(request.getfixturevalue(fixture), dtype)
     method, tolerance = (F32, 1e-4) if dtype == "float32" else (DP_TWIN, 6e-2)
@@ -142,7 +142,7 @@ def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, dt
 
 def test_layers_of_another_shape_are_left_alone(tiny_gemma_hybrid_dir):
     """Gemma3's layers have extra norms and a (1 + w) RMSNorm: not fused."""
-    from cbrun.engine.cpu.fused_layers import install_fused_layers
+    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
 
     model = _load(tiny_gemma_hybrid_dir)
     assert install_fused_layers(model, kernels, F32) == []
@@ -150,7 +150,7 @@ def test_layers_of_another_shape_are_left_alone(tiny_gemma_hybrid_dir):
 
 def test_a_layer_that_computes_something_else_fails_its_probe(tiny_llama_dir):
     """Same structure, different function (a norm with another formula): that layer keeps its forward."""
-    from cbrun.engine.cpu.fused_layers import install_fused_layers
+    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
 
     model = _load(tiny_llama_dir)
     odd = model.model.layers[1].post_attention_layernorm
@@ -169,7 +169,7 @@ def test_silu_mul_matches_torch():
 
 def test_a_model_that_cannot_switch_to_sdpa_is_not_fused(tiny_llama_dir, monkeypatch):
     """The probe needs SDPA; without it the layers keep their stock forward and nothing fails."""
-    from cbrun.engine.cpu.fused_layers import install_fused_layers
+    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
 
     model = _load(tiny_llama_dir)
     original = model.set_attn_implementation

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbrun.engine.cpu.kernels import cpu_flags, load_cpu_kernels
-from cbrun.engine.cpu.linear_methods import DP_ISA, DP_SCALAR, DP_TWIN, F32, LinearMethod
-from cbrun.engine.cpu.method_selector import choose_linear_method
-from cbrun.engine.cpu.self_check import Shape, check_method
+from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
+from cbrun.engine.backends.cpu.linear_methods import DP_ISA, DP_SCALAR, DP_TWIN, F32, LinearMethod
+from cbrun.engine.backends.cpu.method_selector import choose_linear_method
+from cbrun.engine.backends.cpu.self_check import Shape, check_method
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the compiled CPU kernels cannot be built here")

@@ -7,7 +7,7 @@ import pytest
 from engine_helpers import load_pair, random_prompts, reference_greedy, run_engine
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.kv_cache import BlockPool, FullAttentionAllocator
+from cbrun.engine.cache.kv_cache import BlockPool, FullAttentionAllocator
 from cbrun.models import load_model
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.cpu.kernels import cpu_flags, load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
 from cbrun.models import load_model
 
 REFERENCE = Path(__file__).parent / "data" / "reference_bits.json"
@@ -80,10 +80,10 @@ _AVX2_RUN = """
 import sys
 sys.path.insert(0, {tests!r})
 import torch
-from cbrun.engine.cpu import method_selector
-from cbrun.engine.cpu.linear_methods import DP_TWIN, F32
+from cbrun.engine.backends.cpu import method_selector
+from cbrun.engine.backends.cpu.linear_methods import DP_TWIN, F32
 method_selector._CANDIDATES[("portable", torch.bfloat16)] = [DP_TWIN]  # as on a CPU without AVX512-BF16
-from cbrun.engine.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
 assert load_cpu_kernels().vector_width == 8, "not the AVX2 build"
 from cbrun.models import load_model
 import test_reference_bits as ref

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
+from cbrun.engine.cache.kv_cache import KVCacheManager
+from cbrun.engine.cache.offload import SoftResetPreemptor
 from cbrun.engine.config import EngineConfig, SamplingParams
-from cbrun.engine.kv_cache import KVCacheManager
-from cbrun.engine.offload import SoftResetPreemptor
 from cbrun.engine.request import Request, RequestStatus
 from cbrun.engine.scheduler import Scheduler
 

@@ -15,12 +15,12 @@ import torch
 from engine_helpers import load_pair, random_prompts, reference_logprobs
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
+from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
 from cbrun.engine.config import SamplingParams as Params
-from cbrun.engine.cpu.kernels import load_cpu_kernels
 from cbrun.engine.request import Request
-from cbrun.engine.runner import SCORE_CHUNK
-from cbrun.engine.sampler import sample
-from cbrun.engine.scoring import score_logits
+from cbrun.engine.step.model_runner import SCORE_CHUNK
+from cbrun.engine.step.sampler import sample
+from cbrun.engine.step.scoring import score_logits
 from cbrun.models import load_model
 
 VOCAB = 512

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbrun.engine.cuda.triton_attention import (
+from cbrun.engine.backends.cuda.triton_attention import (
     default_block_rows,
     paged_attention,
     plan_query_blocks,
@@ -264,7 +264,7 @@ class NoTriton:
             raise ImportError("triton blocked for this test")
 sys.meta_path.insert(0, NoTriton())
 import torch
-from cbrun.engine.cuda import triton_attention as ta
+from cbrun.engine.backends.cuda import triton_attention as ta
 assert not ta.triton_available()
 q = torch.zeros(1, 1, 16)
 pool = torch.zeros(1, 1, 4, 16)

@@ -54,7 +54,7 @@ def gather(policy: str = "portable") -> dict:
     """Everything `cbrun info` shows, as one JSON-able dict."""
     import torch
 
-    from cbrun.engine.cpu.kernels import cpu_flags, load_cpu_kernels
+    from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
 
     flags = set(cpu_flags().split())
     info: dict = {
@@ -77,8 +77,8 @@ def gather(policy: str = "portable") -> dict:
     if kernels is None:
         info["kernels"] = {"built": False, "why": "no C compiler, a failed build, or CBRUN_KERNELS=torch"}
     else:
-        from cbrun.engine.cpu.method_selector import bf16_dot_products_here, choose_linear_method
-        from cbrun.engine.cpu.self_check import Shape, cache_path
+        from cbrun.engine.backends.cpu.method_selector import bf16_dot_products_here, choose_linear_method
+        from cbrun.engine.backends.cpu.self_check import Shape, cache_path
 
         info["kernels"] = {
             "built": True,

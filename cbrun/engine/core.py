@@ -14,21 +14,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cbrun.engine.attention import register as register_attention
-from cbrun.engine.backend import choose_backend
-from cbrun.engine.batch import BatchBuilder, PagedBatch
+from cbrun.engine.backends.selector import choose_backend
+from cbrun.engine.cache.kv_cache import KVCacheManager
+from cbrun.engine.cache.kv_store import KVStore
+from cbrun.engine.cache.offload import make_preemptor
+from cbrun.engine.cache.sizing import choose_num_blocks
 from cbrun.engine.config import EngineConfig, StatsSnapshot, StructuredSpec
 from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.grammar import GrammarCompiler, GrammarState, MaskFiller
-from cbrun.engine.kv_cache import KVCacheManager
-from cbrun.engine.kv_store import KVStore
 from cbrun.engine.model_spec import CausalLM, ModelSpec, Tokenizer, default_device, read_model_spec
-from cbrun.engine.offload import make_preemptor
 from cbrun.engine.request import Request, RequestStatus
-from cbrun.engine.runner import ModelRunner, StepLogits
 from cbrun.engine.scheduler import Scheduler
-from cbrun.engine.scoring import ScoredRows
-from cbrun.engine.sizing import choose_num_blocks
+from cbrun.engine.step.attention import register as register_attention
+from cbrun.engine.step.batch import BatchBuilder, PagedBatch
+from cbrun.engine.step.model_runner import ModelRunner, StepLogits
+from cbrun.engine.step.scoring import ScoredRows
 from cbrun.engine.weights import StashTarget, WeightStash, give_back_memory, load_into
 
 log = logging.getLogger("cbrun.engine")

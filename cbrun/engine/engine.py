@@ -18,9 +18,9 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 
+from cbrun.engine.backends.cpu.openmp import release_caller_threads
 from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
 from cbrun.engine.core import EngineCore, StepOutcome
-from cbrun.engine.cpu.openmp import release_caller_threads
 from cbrun.engine.model_spec import CausalLM, Tokenizer
 from cbrun.engine.request import GenerationOutput, Request, RequestStatus, ScoreSpec, StreamChunk
 from cbrun.engine.results import ResultStore

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from cbrun.engine.kv_store import KVShape
+from cbrun.engine.cache.kv_store import KVShape
 
 # A transformers causal LM and its tokenizer: their attributes (config, model, lm_head, layers; encode,
 # eos_token_id) differ by architecture and are read dynamically, so they are typed as Any.

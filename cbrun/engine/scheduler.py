@@ -19,8 +19,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cbrun.engine.cache.kv_cache import KVCacheManager
 from cbrun.engine.config import EngineConfig
-from cbrun.engine.kv_cache import KVCacheManager
 from cbrun.engine.request import Request, RequestStatus
 
 

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cbrun.engine.device_copy import to_device
-from cbrun.engine.kv_cache import KVCacheManager
-from cbrun.engine.kv_store import KVStore
+from cbrun.engine.cache.kv_cache import KVCacheManager
+from cbrun.engine.cache.kv_store import KVStore
 from cbrun.engine.request import Request
+from cbrun.engine.step.device_copy import to_device
 
 if TYPE_CHECKING:  # backend.py imports this module (through torch_attention.py)
-    from cbrun.engine.backend import TorchBackend
+    from cbrun.engine.backends.base import TorchBackend
 
 
 @dataclass

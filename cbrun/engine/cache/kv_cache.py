@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from cbrun.engine.block_pool import BlockPool, chain_hash
+from cbrun.engine.cache.block_pool import BlockPool, chain_hash
 
 RequestKey = Hashable
 

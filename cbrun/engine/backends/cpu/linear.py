@@ -18,9 +18,9 @@ from collections.abc import Iterable
 
 import torch
 
-from cbrun.engine.cpu.kernels import CpuKernels
-from cbrun.engine.cpu.linear_methods import LayerMethod, LinearMethod
-from cbrun.engine.cpu.self_check import Shape
+from cbrun.engine.backends.cpu.kernels import CpuKernels
+from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.self_check import Shape
 
 
 def linear_shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[Shape]:

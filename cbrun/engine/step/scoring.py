@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from cbrun.engine.cpu.kernels import CpuKernels
+    from cbrun.engine.backends.cpu.kernels import CpuKernels
 
 
 @dataclass

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
-from cbrun.engine.backend import TorchBackend
-from cbrun.engine.batch import DecodeLayout, SequenceRows
+from cbrun.engine.backends.base import TorchBackend
 from cbrun.engine.model_spec import CausalLM, ModelSpec
+from cbrun.engine.step.batch import DecodeLayout, SequenceRows
 
 log = logging.getLogger("cbrun.engine")
 
@@ -36,7 +36,7 @@ _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e
 
 def triton_usable(device: torch.device) -> bool | str:
     """True when the Triton kernels can run on `device`, else why not."""
-    from cbrun.engine.cuda import triton_attention
+    from cbrun.engine.backends.cuda import triton_attention
 
     if device.type not in ("cuda", "cpu"):
         return f"the model is on {device}, and Triton runs on CUDA (or on CPU under TRITON_INTERPRET=1)"
@@ -60,7 +60,7 @@ class CudaBackend(TorchBackend):
 
     def install(self, model: CausalLM, spec: ModelSpec) -> None:
         """Decide whether the kernel covers the model's attention, and how many rows a program takes."""
-        from cbrun.engine.cuda.triton_attention import default_block_rows
+        from cbrun.engine.backends.cuda.triton_attention import default_block_rows
 
         kv = spec.kv
         group = spec.num_heads // kv.num_kv_heads
@@ -81,7 +81,7 @@ class CudaBackend(TorchBackend):
 
         The row count is rounded up to a power of two: each distinct value is a kernel Triton compiles.
         """
-        from cbrun.engine.cuda.triton_attention import plan_query_blocks
+        from cbrun.engine.backends.cuda.triton_attention import plan_query_blocks
 
         longest = min(self.block_rows, 1 << (max(seq.count for seq in seqs) - 1).bit_length())
         row_seq = [index for index, seq in enumerate(seqs) for _ in range(seq.count)]
@@ -99,7 +99,7 @@ class CudaBackend(TorchBackend):
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
         if not self.attends_rows or softcap:
             return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
-        from cbrun.engine.cuda.triton_attention import paged_attention
+        from cbrun.engine.backends.cuda.triton_attention import paged_attention
 
         blocks, block_rows = rows.plan
         assert rows.row_seq is not None  # a row-attending backend's steps are laid out in the kernel form
@@ -124,7 +124,7 @@ class CudaBackend(TorchBackend):
 
 def _probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> str:
     """ "" when the kernel compiles here and matches the torch reference on a small step, else why not."""
-    from cbrun.engine.cuda.triton_attention import paged_attention, reference_paged_attention
+    from cbrun.engine.backends.cuda.triton_attention import paged_attention, reference_paged_attention
 
     generator = torch.Generator().manual_seed(0)
     page, blocks = 16, 6

@@ -35,7 +35,7 @@ from cbrun.engine.grammar import apply_masks, without_tokens
 from cbrun.engine.request import Request
 
 if TYPE_CHECKING:
-    from cbrun.engine.cpu.kernels import CpuKernels
+    from cbrun.engine.backends.cpu.kernels import CpuKernels
 
 _MASK64 = (1 << 64) - 1
 

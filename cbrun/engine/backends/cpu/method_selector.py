@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbrun.engine.backends.cpu.kernels import CpuKernels
+from cbrun.engine.backends.cpu.linear_methods import DP_ISA, DP_SCALAR, DP_TWIN, F32, ONEDNN_B64, LinearMethod
+from cbrun.engine.backends.cpu.self_check import CheckResult, Shape, check_method
 from cbrun.engine.config import KERNEL_POLICIES
-from cbrun.engine.cpu.kernels import CpuKernels
-from cbrun.engine.cpu.linear_methods import DP_ISA, DP_SCALAR, DP_TWIN, F32, ONEDNN_B64, LinearMethod
-from cbrun.engine.cpu.self_check import CheckResult, Shape, check_method
 
 log = logging.getLogger("cbrun.engine")
 
@@ -105,7 +105,7 @@ def bf16_dot_products_here() -> tuple[bool, str]:
     """Whether this CPU has bf16 dot products that serve: it reports AVX512-BF16 or AMX-BF16, the kernels
     build, and vdpbf16ps passes its self-check (at small shapes; the model's shapes are checked at load).
     Returns (ready, why) for `--dtype auto` and `cbrun info`."""
-    from cbrun.engine.cpu.kernels import cpu_flags, load_cpu_kernels
+    from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
 
     flags = set(cpu_flags().split())
     if not flags & {"avx512_bf16", "amx_bf16"}:

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from cbrun.engine import torch_attention
-from cbrun.engine.backend import TorchBackend
-from cbrun.engine.batch import PagedBatch
+from cbrun.engine.backends import torch_attention
+from cbrun.engine.backends.base import TorchBackend
+from cbrun.engine.step.batch import PagedBatch
 
 ATTENTION_NAME = "cbrun_paged"
 BATCH_KWARG = "cbrun_batch"  # the step's PagedBatch (tensors only)

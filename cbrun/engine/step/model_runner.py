@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.attention import BACKEND_KWARG, BATCH_KWARG
-from cbrun.engine.backend import TorchBackend
-from cbrun.engine.batch import PagedBatch
+from cbrun.engine.backends.base import TorchBackend
 from cbrun.engine.model_spec import CausalLM
+from cbrun.engine.step.attention import BACKEND_KWARG, BATCH_KWARG
+from cbrun.engine.step.batch import PagedBatch
 
 # config attributes by which a causal LM transforms logits after its head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.kv_cache import KVCacheManager
-from cbrun.engine.kv_store import KVStore, zeros
+from cbrun.engine.cache.kv_cache import KVCacheManager
+from cbrun.engine.cache.kv_store import KVStore, zeros
 from cbrun.engine.request import Request, RequestStatus
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.batch import DecodeLayout, PrefillSeq
+from cbrun.engine.step.batch import DecodeLayout, PrefillSeq
 
 
 def write(

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cbrun.engine.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
 from cbrun.engine.model_spec import CausalLM
 
 if TYPE_CHECKING:
-    from cbrun.engine.cpu.kernels import CpuKernels
+    from cbrun.engine.backends.cpu.kernels import CpuKernels
 
 # A transformers decoder layer or attention module: its parts (self_attn, mlp, norms; config, scaling,
 # sliding_window) are read by name, as the architecture defines them.

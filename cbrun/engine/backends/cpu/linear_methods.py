@@ -28,7 +28,7 @@ from typing import Protocol, TypeGuard
 
 import torch
 
-from cbrun.engine.cpu.kernels import CpuKernels
+from cbrun.engine.backends.cpu.kernels import CpuKernels
 
 
 class LayerMethod(Protocol):

@@ -9,31 +9,27 @@ A backend is chosen once, at engine start, and owns everything device-specific:
 - the K/V writes and the attention over the page pools,
 - the output head's projection and the sampler.
 
-The per-step batch (batch.py) then carries tensors only, and the attention
-function (attention.py) asks the backend that the runner hands it. The torch
-backend here is the reference every other backend is tested against: plain
-torch ops on any device, gathering each row's pages into a padded copy.
-
-    choose_backend(model, name, spec)  ->  CpuBackend | CudaBackend | TorchBackend
+The per-step batch (step/batch.py) then carries tensors only, and the
+attention function (step/attention.py) asks the backend that the runner hands
+it. The torch backend here is the reference every other backend is tested
+against: plain torch ops on any device, gathering each row's pages into a
+padded copy. The device backends (cpu/, cuda/) build on it and import nothing
+else of this package; selector.py picks one by name.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine import torch_attention
-from cbrun.engine.batch import DecodeLayout, SequenceRows
-from cbrun.engine.config import BACKEND_NAMES
+from cbrun.engine.backends import torch_attention
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
-from cbrun.engine.sampler import Sampled, sample
-from cbrun.engine.scoring import ScoredRows, score_logits
-
-log = logging.getLogger("cbrun.engine")
+from cbrun.engine.step.batch import DecodeLayout, SequenceRows
+from cbrun.engine.step.sampler import Sampled, sample
+from cbrun.engine.step.scoring import ScoredRows, score_logits
 
 
 class BackendUnavailable(RuntimeError):
@@ -94,48 +90,3 @@ class TorchBackend:
 
     def describe(self) -> str:
         return self.name
-
-
-def choose_backend(model: CausalLM, name: str, spec: ModelSpec, kernels: str = "portable") -> TorchBackend:
-    """The backend `name` ("auto", "cpu", "torch", "triton") for the model's device, installed on the model.
-
-    "auto": the compiled kernels on CPU (torch when they cannot be built),
-    Triton on CUDA when it is installed (else torch). An explicit name that
-    cannot run here raises BackendUnavailable. `kernels` is the CPU backend's
-    linear-method policy ("portable" or "fastest").
-    """
-    if name not in BACKEND_NAMES:  # EngineConfig checks too; this is for direct callers
-        raise BackendUnavailable(f"unknown backend {name!r} (choose from {', '.join(BACKEND_NAMES)})")
-    device = next(model.parameters()).device
-    backend = _pick(name, device, kernels)
-    backend.install(model, spec)
-    log.info("compute backend: %s", backend.describe())
-    return backend
-
-
-def _pick(name: str, device: torch.device, policy: str) -> TorchBackend:
-    if name == "torch":
-        return TorchBackend()
-    if name in ("auto", "cpu") and device.type == "cpu":
-        from cbrun.engine.cpu.backend import CpuBackend
-        from cbrun.engine.cpu.kernels import load_cpu_kernels
-
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            return CpuBackend(kernels, policy)
-        if name == "cpu":
-            raise BackendUnavailable(
-                "the compiled CPU kernels could not be built or are switched off "
-                "(CBRUN_KERNELS=torch); see the log for why"
-            )
-        return TorchBackend()
-    if name == "cpu":
-        raise BackendUnavailable(f"the cpu backend runs models on the CPU; this model is on {device}")
-    from cbrun.engine.cuda.backend import CudaBackend, triton_usable
-
-    usable = triton_usable(device)
-    if usable is True:
-        return CudaBackend(device)
-    if name == "triton":
-        raise BackendUnavailable(f"the triton backend cannot run here: {usable}")
-    return TorchBackend()

@@ -16,18 +16,18 @@ from collections.abc import Sequence
 
 import torch
 
-from cbrun.engine.backend import TorchBackend
-from cbrun.engine.batch import DecodeLayout, SequenceRows
-from cbrun.engine.cpu.attention_tasks import plan_tasks
-from cbrun.engine.cpu.fused_layers import install_fused_layers, uninstall as uninstall_fused_layers
-from cbrun.engine.cpu.kernels import CpuKernels
-from cbrun.engine.cpu.linear import install_linear_methods, linear_shapes, uninstall as uninstall_linears
-from cbrun.engine.cpu.linear_methods import LayerMethod, LinearMethod
-from cbrun.engine.cpu.method_selector import MethodChoice, choose_linear_method
+from cbrun.engine.backends.base import TorchBackend
+from cbrun.engine.backends.cpu.attention_tasks import plan_tasks
+from cbrun.engine.backends.cpu.fused_layers import install_fused_layers, uninstall as uninstall_fused_layers
+from cbrun.engine.backends.cpu.kernels import CpuKernels
+from cbrun.engine.backends.cpu.linear import install_linear_methods, linear_shapes, uninstall as uninstall_linears
+from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.method_selector import MethodChoice, choose_linear_method
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
-from cbrun.engine.sampler import Sampled, sample
-from cbrun.engine.scoring import ScoredRows, score_logits
+from cbrun.engine.step.batch import DecodeLayout, SequenceRows
+from cbrun.engine.step.sampler import Sampled, sample
+from cbrun.engine.step.scoring import ScoredRows, score_logits
 
 
 class CpuBackend(TorchBackend):

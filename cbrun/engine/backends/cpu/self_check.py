@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from cbrun.engine.cpu.kernels import CpuKernels, KernelError
-from cbrun.engine.cpu.linear_methods import DP_SCALAR, LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.kernels import CpuKernels, KernelError
+from cbrun.engine.backends.cpu.linear_methods import DP_SCALAR, LayerMethod, LinearMethod
 
 log = logging.getLogger("cbrun.engine")
 
@@ -167,7 +167,7 @@ def _time_call(layer: LayerMethod, rows: torch.Tensor) -> float:
 
 
 def cache_path() -> Path:
-    from cbrun.engine.cpu.kernels import _cache_root
+    from cbrun.engine.backends.cpu.kernels import _cache_root
 
     return _cache_root() / "self_check.json"
 

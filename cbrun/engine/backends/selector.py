@@ -1,0 +1,86 @@
+"""Which compute backend runs the model: chosen by name once, at engine start, and installed on the model.
+
+The table maps each name to a loader; a loader imports its backend package
+only when it is asked for, so a CPU-only install never imports Triton code and
+base.py never imports the backends built on it.
+
+    choose_backend(model, name, spec, kernels)  ->  CpuBackend | CudaBackend | TorchBackend
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from cbrun.engine.backends.base import BackendUnavailable, TorchBackend
+from cbrun.engine.config import BACKEND_NAMES
+from cbrun.engine.model_spec import CausalLM, ModelSpec
+
+log = logging.getLogger("cbrun.engine")
+
+
+def choose_backend(model: CausalLM, name: str, spec: ModelSpec, kernels: str = "portable") -> TorchBackend:
+    """The backend `name` ("auto", "cpu", "torch", "triton") for the model's device, installed on the model.
+
+    "auto": the compiled kernels on CPU (torch when they cannot be built),
+    Triton on CUDA when it is installed (else torch). An explicit name that
+    cannot run here raises BackendUnavailable. `kernels` is the CPU backend's
+    linear-method policy ("portable" or "fastest").
+    """
+    if name not in BACKEND_NAMES:  # EngineConfig checks too; this is for direct callers
+        raise BackendUnavailable(f"unknown backend {name!r} (choose from {', '.join(BACKEND_NAMES)})")
+    device = next(model.parameters()).device
+    backend = _LOADERS[name](device, kernels)
+    backend.install(model, spec)
+    log.info("compute backend: %s", backend.describe())
+    return backend
+
+
+def _torch(device: torch.device, policy: str) -> TorchBackend:
+    return TorchBackend()
+
+
+def _cpu(device: torch.device, policy: str, required: bool = True) -> TorchBackend:
+    """The compiled CPU kernels; when not `required` (auto), the torch reference where they cannot be built."""
+    if device.type != "cpu":
+        raise BackendUnavailable(f"the cpu backend runs models on the CPU; this model is on {device}")
+    from cbrun.engine.backends.cpu.backend import CpuBackend
+    from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        return CpuBackend(kernels, policy)
+    if required:
+        raise BackendUnavailable(
+            "the compiled CPU kernels could not be built or are switched off (CBRUN_KERNELS=torch); see the log for why"
+        )
+    return TorchBackend()
+
+
+def _triton(device: torch.device, policy: str, required: bool = True) -> TorchBackend:
+    """Triton attention on CUDA; when not `required` (auto), the torch reference where Triton cannot run."""
+    from cbrun.engine.backends.cuda.backend import CudaBackend, triton_usable
+
+    usable = triton_usable(device)
+    if usable is True:
+        return CudaBackend(device)
+    if required:
+        raise BackendUnavailable(f"the triton backend cannot run here: {usable}")
+    return TorchBackend()
+
+
+def _auto(device: torch.device, policy: str) -> TorchBackend:
+    """The device's own backend where it can run, else the torch reference."""
+    if device.type == "cpu":
+        return _cpu(device, policy, required=False)
+    return _triton(device, policy, required=False)
+
+
+_LOADERS: dict[str, Callable[[torch.device, str], TorchBackend]] = {
+    "auto": _auto,
+    "torch": _torch,
+    "cpu": _cpu,
+    "triton": _triton,
+}
