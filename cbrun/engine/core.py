@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbrun.engine.backends.base import Backend
 from cbrun.engine.backends.selector import choose_backend
 from cbrun.engine.cache.kv_cache import KVCacheManager
 from cbrun.engine.cache.kv_store import KVStore
@@ -77,9 +78,8 @@ class EngineCore:
             self.cache.pool.touched = prefault
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
-        self.backend = choose_backend(
-            model, config.backend, self.spec, config.kernels
-        )  # kernels, linears, attention, sampler
+        # kernels, linears, attention, sampler
+        self.backend: Backend = choose_backend(model, config.backend, self.spec, config.kernels)
         self.builder = BatchBuilder(
             self.cache,
             self.store,

@@ -4,7 +4,7 @@ The table maps each name to a loader; a loader imports its backend package
 only when it is asked for, so a CPU-only install never imports Triton code and
 base.py never imports the backends built on it.
 
-    choose_backend(model, name, spec, kernels)  ->  CpuBackend | CudaBackend | TorchBackend
+    choose_backend(model, name, spec, kernels)  ->  a Backend: CpuBackend | CudaBackend | TorchBackend
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-from cbrun.engine.backends.base import BackendUnavailable, TorchBackend
+from cbrun.engine.backends.base import Backend, BackendUnavailable, TorchBackend
 from cbrun.engine.config import BACKEND_NAMES
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 
 log = logging.getLogger("cbrun.engine")
 
 
-def choose_backend(model: CausalLM, name: str, spec: ModelSpec, kernels: str = "portable") -> TorchBackend:
+def choose_backend(model: CausalLM, name: str, spec: ModelSpec, kernels: str = "portable") -> Backend:
     """The backend `name` ("auto", "cpu", "torch", "triton") for the model's device, installed on the model.
 
     "auto": the compiled kernels on CPU (torch when they cannot be built),
@@ -38,11 +38,11 @@ def choose_backend(model: CausalLM, name: str, spec: ModelSpec, kernels: str = "
     return backend
 
 
-def _torch(device: torch.device, policy: str) -> TorchBackend:
+def _torch(device: torch.device, policy: str) -> Backend:
     return TorchBackend()
 
 
-def _cpu(device: torch.device, policy: str, required: bool = True) -> TorchBackend:
+def _cpu(device: torch.device, policy: str, required: bool = True) -> Backend:
     """The compiled CPU kernels; when not `required` (auto), the torch reference where they cannot be built."""
     if device.type != "cpu":
         raise BackendUnavailable(f"the cpu backend runs models on the CPU; this model is on {device}")
@@ -59,7 +59,7 @@ def _cpu(device: torch.device, policy: str, required: bool = True) -> TorchBacke
     return TorchBackend()
 
 
-def _triton(device: torch.device, policy: str, required: bool = True) -> TorchBackend:
+def _triton(device: torch.device, policy: str, required: bool = True) -> Backend:
     """Triton attention on CUDA; when not `required` (auto), the torch reference where Triton cannot run."""
     from cbrun.engine.backends.cuda.backend import CudaBackend, triton_usable
 
@@ -71,14 +71,14 @@ def _triton(device: torch.device, policy: str, required: bool = True) -> TorchBa
     return TorchBackend()
 
 
-def _auto(device: torch.device, policy: str) -> TorchBackend:
+def _auto(device: torch.device, policy: str) -> Backend:
     """The device's own backend where it can run, else the torch reference."""
     if device.type == "cpu":
         return _cpu(device, policy, required=False)
     return _triton(device, policy, required=False)
 
 
-_LOADERS: dict[str, Callable[[torch.device, str], TorchBackend]] = {
+_LOADERS: dict[str, Callable[[torch.device, str], Backend]] = {
     "auto": _auto,
     "torch": _torch,
     "cpu": _cpu,

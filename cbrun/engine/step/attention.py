@@ -25,7 +25,7 @@ import torch
 from transformers import AttentionInterface
 
 from cbrun.engine.backends import torch_attention
-from cbrun.engine.backends.base import TorchBackend
+from cbrun.engine.backends.base import Backend
 from cbrun.engine.step.batch import PagedBatch
 
 ATTENTION_NAME = "cbrun_paged"
@@ -48,7 +48,7 @@ def paged_attention(
     so the engine lays a soft-capped model's steps out for the torch paths (its backend's
     `attends_rows` is False)."""
     batch: PagedBatch = kwargs[BATCH_KWARG]
-    backend: TorchBackend = kwargs[BACKEND_KWARG]
+    backend: Backend = kwargs[BACKEND_KWARG]
     layer = module.layer_idx
     layout = batch.groups[batch.layer_groups[layer]]
     k_pool, v_pool = batch.store.layer(layer)  # each [H_kv, NB, page, D]

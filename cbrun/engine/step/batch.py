@@ -34,7 +34,7 @@ from cbrun.engine.request import Request
 from cbrun.engine.step.device_copy import to_device
 
 if TYPE_CHECKING:  # backend.py imports this module (through torch_attention.py)
-    from cbrun.engine.backends.base import TorchBackend
+    from cbrun.engine.backends.base import Backend
 
 
 @dataclass
@@ -142,7 +142,7 @@ class BatchBuilder:
         page_size: int,
         sliding_window: int | None,
         device: torch.device,
-        backend: TorchBackend,
+        backend: Backend,
     ) -> None:
         self.backend = backend  # attends_rows: every token a row; plan_rows: its per-step plan
         self.cache = cache

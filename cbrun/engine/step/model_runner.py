@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.backends.base import TorchBackend
+from cbrun.engine.backends.base import Backend
 from cbrun.engine.model_spec import CausalLM
 from cbrun.engine.step.attention import BACKEND_KWARG, BATCH_KWARG
 from cbrun.engine.step.batch import PagedBatch
@@ -48,7 +48,7 @@ class StepLogits:
 class ModelRunner:
     """Runs one forward pass per step and returns fp32 logits of sampled rows."""
 
-    def __init__(self, model: CausalLM, backend: TorchBackend) -> None:
+    def __init__(self, model: CausalLM, backend: Backend) -> None:
         self.model = model
         self.backend = backend
         self.keeps_logits = bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
