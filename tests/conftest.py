@@ -13,7 +13,7 @@ naming one in a parameter that it passes to `request.getfixturevalue`, and
 is marked `slow` for it here (`pytest_collection_modifyitems`); no test marks
 itself. `pytest -m "not slow"` is then the fast tier: tiny models only. A test
 outside the slow tier that still reaches the real model through
-`cbrun.models.fetch_alias` fails at once, saying which fixture to request.
+`cbrun.models.wheels.fetch_alias` fails at once, saying which fixture to request.
 """
 
 from __future__ import annotations
@@ -177,15 +177,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _real_model_only_in_the_slow_tier(request, monkeypatch):
-    """Outside the slow tier, fetching a real alias (the default model) fails with what to do instead."""
+    """Outside the slow tier, fetching a real alias (the default model) fails with what to do instead.
+
+    Patched in the module that owns `fetch_alias`: the loader looks it up there at each call, and so does
+    `cbrun.models.fetch_alias`, so every path to the real model meets this guard."""
     if request.node.get_closest_marker("slow") is not None:
         return
-    import cbrun.models as models
+    from cbrun.models import ALIASES, wheels
 
-    fetch = getattr(models, "fetch_alias", None)
-    real = set(getattr(models, "ALIASES", {}))
-    if fetch is None or not real:
-        return
+    fetch = wheels.fetch_alias
+    real = set(ALIASES)
 
     def refuse_real_alias(alias, *args, **kwargs):
         if alias in real:
@@ -195,4 +196,4 @@ def _real_model_only_in_the_slow_tier(request, monkeypatch):
             )
         return fetch(alias, *args, **kwargs)
 
-    monkeypatch.setattr(models, "fetch_alias", refuse_real_alias)
+    monkeypatch.setattr(wheels, "fetch_alias", refuse_real_alias)

