@@ -38,9 +38,11 @@ def machine_info(device: str) -> dict:
     import torch
     import transformers
 
-    flags = _cpu_flags()
+    from cbrun.engine.backends.cpu.kernels import cpu_flags, cpu_model
+
+    flags = set(cpu_flags().split())
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model() or platform.machine(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_flags": {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")},
@@ -50,28 +52,6 @@ def machine_info(device: str) -> dict:
         "device": device,
         "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def build_report(

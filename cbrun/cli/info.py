@@ -54,7 +54,7 @@ def gather(policy: str = "portable") -> dict:
     """Everything `cbrun info` shows, as one JSON-able dict."""
     import torch
 
-    from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
+    from cbrun.engine.backends.cpu.kernels import cpu_flags, cpu_model, load_cpu_kernels
 
     flags = set(cpu_flags().split())
     info: dict = {
@@ -65,7 +65,7 @@ def gather(policy: str = "portable") -> dict:
             "python": platform.python_version(),
         },
         "cpu": {
-            "model": _cpu_model(),
+            "model": cpu_model() or "unknown",
             "machine": platform.machine(),
             "isa": [flag for flag in _ISA_FLAGS if flag in flags],
             "threads": torch.get_num_threads(),
@@ -107,17 +107,6 @@ def gather(policy: str = "portable") -> dict:
         ready, why = bf16_dot_products_here()
         info["dtype_auto_cpu"] = {"dtype": "bfloat16" if ready else "float32", "why": why}
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def info(

@@ -127,6 +127,23 @@ def cpu_flags() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo; elsewhere the processor name, empty when the platform has none).
+
+    Beside `cpu_flags` so that `cbrun info` and the bench report read the CPU in one place.
+    """
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
 def _digest(compiler: str, extra_flags: tuple[str, ...] = ()) -> str:
     """Names the build: every source and header, the flags, the compiler, the CPU and the platform."""
     content = hashlib.sha256()
