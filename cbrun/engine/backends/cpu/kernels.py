@@ -223,6 +223,11 @@ _SIGNATURES = {
     "apply_token_masks": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _INT]),
 }
 _SIGNATURES["paged_attend_bf16"] = _SIGNATURES["paged_attend_f32"]
+_SIGNATURES["paged_attend_bf16dp"] = (_INT, [*_SIGNATURES["paged_attend_f32"][1], _INT])
+_SIGNATURES["attend_dp_scores"] = (_INT, [_INT, _P, _P, _I64, _I64, _I64, _F32, _P])
+_SIGNATURES["dpa_variant_runs"] = (_INT, [_INT])
+# Variants of a bf16 pair-dot kernel (dp_pairs.h): the plain-C reference, the portable twin, vdpbf16ps.
+DP_VARIANTS = {"scalar": 0, "twin": 1, "isa": 2}
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -259,6 +264,9 @@ class CpuKernels:
         self.segment = int(library.paged_attend_segment())  # keys per online-softmax segment
         self.max_segments = int(library.linear_max_segments())
         self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
+        from cbrun.engine.backends.cpu.attention_variant import choose_attention_dp_variant
+
+        self.attend_dp_variant = choose_attention_dp_variant(self)  # bf16 scores on pair dots (attention.c)
 
     def supports_attention(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
         return (
@@ -302,7 +310,10 @@ class CpuKernels:
             raise KernelError("attend: index tensors must be contiguous int64")
         task_rows, task_start, task_shared = tasks
         out = torch.empty_like(q)
-        status = self.attend_functions[q.dtype](
+        pair_dots = q.dtype == torch.bfloat16 and dim % 32 == 0  # bf16 scores as vdpbf16ps computes them
+        function = self._lib.paged_attend_bf16dp if pair_dots else self.attend_functions[q.dtype]
+        extra = (DP_VARIANTS[self.attend_dp_variant],) if pair_dots else ()
+        status = function(
             _ptr(q),
             _ptr(k_pool),
             _ptr(v_pool),
@@ -326,9 +337,29 @@ class CpuKernels:
             _ptr(task_shared),
             task_shared.numel(),
             torch.get_num_threads(),
+            *extra,
         )
         _check(status, "attend")
         return out
+
+    def attend_dp_scores(self, variant: str, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+        """Scores [G, n] of q [G, D] against keys [n, D] (bf16, D a multiple of 32, n <= the segment) by one
+        variant of attention.c's pair-dot scores: what the load check and the tests compare."""
+        heads, dim = q.shape
+        count = keys.shape[0]
+        if q.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16 or keys.shape[1] != dim:
+            raise KernelError("attend_dp_scores: q [G, D] and keys [n, D] must be bf16")
+        q, keys = q.contiguous(), keys.contiguous()
+        out = torch.empty(heads, count, dtype=torch.float32)
+        status = self._lib.attend_dp_scores(
+            DP_VARIANTS[variant], _ptr(q), _ptr(keys), heads, count, dim, scale, _ptr(out)
+        )
+        _check(status, "attend_dp_scores")
+        return out
+
+    def dp_attention_runs(self, variant: str) -> bool:
+        """Whether this CPU runs a variant of the pair-dot scores (the instruction needs AVX512-BF16)."""
+        return bool(self._lib.dpa_variant_runs(DP_VARIANTS[variant]))
 
     def write_kv(self, pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy `new` [H_kv, T, D] (unit stride along D) into `pool` [H_kv, NB, P, D] at flat `slots` [T]."""

@@ -19,7 +19,8 @@
  * are taken in segments that end at multiples of SEG (absolute positions) and
  * the segment's own key range; each segment is split into page pieces at page
  * boundaries; every score is one multiply-add chain over D and a fixed lane
- * sum; each segment updates the online softmax (flash-decoding style) in key
+ * sum (bf16 with D a multiple of 32: bf16 pair dots, see "bf16 scores on
+ * dot-product pairs" below); each segment updates the online softmax (flash-decoding style) in key
  * order. So a decode, the same token inside a prefill chunk of any length,
  * its recompute after a soft reset, and a row attending a shared prefix with
  * a hundred others all give the same bits. Rows sharing leading blocks
@@ -40,6 +41,9 @@
  * adjacent pages are left to the hardware prefetcher; a segment on pages that
  * jump is prefetched one ahead.
  *
+ * paged_attend_bf16dp: the bf16 kernel with scores on vdpbf16ps's pair arithmetic (the
+ * instruction, or its portable twin, or the plain-C reference: one set of bits).
+ *
  * paged_write: store new tokens' K/V rows at their flat slots (any element size).
  */
 #include <math.h>
@@ -48,7 +52,7 @@
 #include <string.h>
 #include <omp.h>
 
-#include "vec.h"
+#include "dp_pairs.h"
 
 #define MAX_GD 4096 /* G * D per (row, kv head) */
 #ifndef SEG
@@ -197,6 +201,8 @@ static inline v4f reduce4(const v8f* a) {
 
 DEFINE_BLOCK_OPS(f32, float, load_f32)
 DEFINE_BLOCK_OPS(bf16, uint16_t, load_bf16)
+#define value_piece_float value_piece_f32
+#define value_piece_uint16_t value_piece_bf16
 
 /* Values 16 lanes (one zmm) at a time where the compiler targets AVX-512F: two adjacent 8-lane vectors of a
  * head row in one register. Each lane is still its own chain over the keys in order (lanes only regroup),
@@ -239,6 +245,177 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, load_bf16)
 
 DEFINE_WIDE_VALUE_OPS(f32, float, load16_f32)
 DEFINE_WIDE_VALUE_OPS(bf16, uint16_t, load16_bf16)
+#define value_piece16_float value_piece16_f32
+#define value_piece16_uint16_t value_piece16_bf16
+
+/* ---- bf16 scores on dot-product pairs (paged_attend_bf16dp) ------------------------------------ *
+ *
+ * A score is q . key over D = 32 * NC bf16 elements, computed as vdpbf16ps computes it: 16 fp32 lanes,
+ * lane i the chain over the chunks c = 0 .. NC - 1 of the pair (32c + 2i, 32c + 2i + 1) of q and key,
+ *     t = fma(q[32c+2i+1], k[32c+2i+1], acc)   acc = fma(q[32c+2i], k[32c+2i], t)
+ * started from zero, denormal inputs read as zero and denormal results flushed (dp_pairs.h); then the
+ * lanes are summed in one tree, without flushing,
+ *     v[i] = a[i] + a[i+8]   w[i] = v[i] + v[i+4]   score = (w[0] + w[2]) + (w[1] + w[3])
+ * and multiplied by the softmax scale. The query is the row's bf16 query as it lies. Three variants
+ * compute it: the instruction (4 keys x 3 heads per step, the tree in shuffles), the portable twin
+ * (vector FMAs under the flush modes) and the plain-C reference; the kernels' loader runs a variant
+ * only after it has equalled the reference on this CPU. A score's bits depend on its query and key
+ * alone, so batch invariance holds as for the fp32 chains. */
+
+#define DPA_MAX_KEYS 128 /* keys of one page piece at most: SEG */
+
+/* The tree over one key's 16 lanes, then the scale. */
+static inline float dpa_tree(const float* a, float scale) {
+  float v[8], w[4];
+  for (int i = 0; i < 8; ++i) v[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) w[i] = v[i] + v[i + 4];
+  return ((w[0] + w[2]) + (w[1] + w[3])) * scale;
+}
+
+/* lanes[(g * n + j) * 16 + i]: lane i of head g's chain against key j; the flushing explicit. */
+static void dpa_lanes_scalar(const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D, float* lanes) {
+  for (int g = 0; g < hb; ++g)
+    for (int64_t j = 0; j < n; ++j)
+      for (int i = 0; i < 16; ++i) {
+        float acc = 0.f;
+        for (int64_t c = 0; c < D / 32; ++c) {
+          const uint16_t* qp = q + g * D + 32 * c + 2 * i;
+          const uint16_t* kp = keys + j * D + 32 * c + 2 * i;
+          const float t = dp_flush(fmaf(dp_read(qp[1]), dp_read(kp[1]), acc));
+          acc = dp_flush(fmaf(dp_read(qp[0]), dp_read(kp[0]), t));
+        }
+        lanes[(g * n + j) * 16 + i] = acc;
+      }
+}
+
+/* The same lanes in portable vectors, two FMAs per pair, flushed by the modes the caller set. Not
+ * inlined, so that no FMA moves out of the region where the modes are set. */
+static __attribute__((noinline)) void dpa_lanes_twin(const uint16_t* q, int hb, const uint16_t* keys, int64_t n,
+                                                     int64_t D, float* lanes) {
+  for (int g = 0; g < hb; ++g)
+    for (int64_t j = 0; j < n; ++j) {
+      vNf acc[16 / VEC];
+      for (int v = 0; v < 16 / VEC; ++v) acc[v] = splatN(0.f);
+      for (int64_t c = 0; c < D / 32; ++c)
+        for (int v = 0; v < 16 / VEC; ++v) {
+          const vNu qp = *(const vNu_mem*)(q + g * D + 32 * c + 2 * VEC * v);
+          const vNu kp = *(const vNu_mem*)(keys + j * D + 32 * c + 2 * VEC * v);
+          acc[v] += twin_high(qp) * twin_high(kp); /* t = fma(q[2i+1], k[2i+1], acc) */
+          acc[v] += twin_low(qp) * twin_low(kp);   /* acc = fma(q[2i], k[2i], t) */
+        }
+      for (int v = 0; v < 16 / VEC; ++v) storeN_f32(lanes + (g * n + j) * 16 + VEC * v, acc[v]);
+    }
+}
+
+/* s[g * SEG + j] = score of head g (hb of them, q [hb, D]) against key j of one page piece (n keys). */
+static inline void score_piece_dp_scalar(const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D,
+                                         float scale, float* s) {
+  float lanes[HB * DPA_MAX_KEYS * 16];
+  dpa_lanes_scalar(q, hb, keys, n, D, lanes);
+  for (int g = 0; g < hb; ++g)
+    for (int64_t j = 0; j < n; ++j) s[g * SEG + j] = dpa_tree(lanes + (g * n + j) * 16, scale);
+}
+
+static inline void score_piece_dp_twin(const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D,
+                                       float scale, float* s) {
+  float lanes[HB * DPA_MAX_KEYS * 16] __attribute__((aligned(64)));
+  const unsigned modes = dp_flush_on();
+  dpa_lanes_twin(q, hb, keys, n, D, lanes);
+  dp_flush_restore(modes);
+  for (int g = 0; g < hb; ++g)
+    for (int64_t j = 0; j < n; ++j) s[g * SEG + j] = dpa_tree(lanes + (g * n + j) * 16, scale);
+}
+
+#if DP_HAS_ISA_SOURCE
+#include <immintrin.h>
+
+#define DPA_ISA_TARGET __attribute__((target("avx512f,avx512bf16")))
+
+/* Four keys' lane vectors -> their four scores (unscaled), by dpa_tree's tree: lanes i and i + 8 meet
+ * in the 256-bit halves, i and i + 4 in the 128-bit quarters, then (w0 + w2) + (w1 + w3) in each quarter. */
+DPA_ISA_TARGET static inline __attribute__((always_inline)) __m128 dpa_tree4(__m512 a0, __m512 a1, __m512 a2,
+                                                                             __m512 a3) {
+  const __m512 b0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 b1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(b0, b1, 0x88), _mm512_shuffle_f32x4(b0, b1, 0xDD));
+  const __m512 x = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E)); /* [w0 + w2, w1 + w3, ...] per key */
+  const __m512 t = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1)); /* lane 0 of each key: the score */
+  return _mm512_castps512_ps128(
+      _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
+}
+
+/* The scores of hb heads against 4 keys at `keys` (rows D apart): two vdpbf16ps per chunk of 32 elements. */
+DPA_ISA_TARGET static inline __attribute__((always_inline)) void dpa_block_isa(const uint16_t* q, int hb,
+                                                                               const uint16_t* keys, int64_t D,
+                                                                               __m128 sc, __m128* out) {
+  __m512 acc[HB][4];
+  for (int g = 0; g < hb; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512bh qc[HB];
+    for (int g = 0; g < hb; ++g) qc[g] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
+    for (int i = 0; i < 4; ++i) {
+      const __m512bh key = (__m512bh)_mm512_loadu_si512(keys + i * D + 32 * c);
+      for (int g = 0; g < hb; ++g) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], qc[g], key);
+    }
+  }
+  for (int g = 0; g < hb; ++g) out[g] = _mm_mul_ps(dpa_tree4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc);
+}
+
+DPA_ISA_TARGET static inline __attribute__((always_inline)) void score_piece_dp_isa(
+    const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D, float scale, float* s) {
+  const __m128 sc = _mm_set1_ps(scale);
+  __m128 scores[HB];
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    dpa_block_isa(q, hb, keys + j * D, D, sc, scores);
+    for (int g = 0; g < hb; ++g) _mm_storeu_ps(s + g * SEG + j, scores[g]);
+  }
+  if (j < n) { /* the last 1-3 keys, beside zero keys (a key's score does not depend on its neighbours) */
+    uint16_t last[4 * MAX_GD] __attribute__((aligned(64))); /* D <= MAX_GD */
+    memset(last, 0, (size_t)(4 * D) * sizeof(uint16_t));
+    memcpy(last, keys + j * D, (size_t)((n - j) * D) * sizeof(uint16_t));
+    dpa_block_isa(q, hb, last, D, sc, scores);
+    for (int g = 0; g < hb; ++g) {
+      float tail[4];
+      _mm_storeu_ps(tail, scores[g]);
+      for (int64_t i = 0; i < n - j; ++i) s[g * SEG + j + i] = tail[i];
+    }
+  }
+}
+#endif
+
+/* Whether a variant of the pair-dot scores runs on this CPU. */
+int dpa_variant_runs(int variant) {
+  return variant == DP_SCALAR || variant == DP_TWIN || (variant == DP_ISA && dp_isa_runs());
+}
+
+/* out [G, n] = the scores of q [G, D] (one row's heads of one kv head) against keys [n, D], n <= SEG,
+ * by `variant`: what the tests compare with a model of the instruction. */
+#if DP_HAS_ISA_SOURCE
+DPA_ISA_TARGET static void dpa_scores_isa(const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D,
+                                          float scale, float* s) {
+  score_piece_dp_isa(q, hb, keys, n, D, scale, s);
+}
+#endif
+
+int attend_dp_scores(int variant, const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D, float scale,
+                     float* out) {
+  if (!dpa_variant_runs(variant) || D % 32 || n < 1 || n > SEG || G < 1) return -1;
+  float s[HB * SEG];
+  for (int64_t g0 = 0; g0 < G; g0 += HB) {
+    const int hb = G - g0 < HB ? (int)(G - g0) : HB;
+    const uint16_t* qg = q + g0 * D;
+#if DP_HAS_ISA_SOURCE
+    if (variant == DP_ISA) dpa_scores_isa(qg, hb, keys, n, D, scale, s);
+#endif
+    if (variant == DP_TWIN) score_piece_dp_twin(qg, hb, keys, n, D, scale, s);
+    if (variant == DP_SCALAR) score_piece_dp_scalar(qg, hb, keys, n, D, scale, s);
+    for (int g = 0; g < hb; ++g)
+      for (int64_t j = 0; j < n; ++j) out[(g0 + g) * n + j] = s[g * SEG + j];
+  }
+  return 0;
+}
 
 /* Runs CALL for each block of heads [g0, g0 + hb_) of G, with hb_ a constant 1..HB in each branch
  * (so the register blocks are sized at compile time). */
@@ -253,8 +430,10 @@ DEFINE_WIDE_VALUE_OPS(bf16, uint16_t, load16_bf16)
 /* Softmax state of one query row for one kv head: its G scaled query heads, running max and sum per
  * head, and the unnormalized output; C = D / 8 vectors per head. */
 typedef struct {
-  v8f *qf, *acc; /* [G * C] each */
-  float *m, *l;  /* [G] each */
+  v8f *qf, *acc;      /* [G * C] each */
+  float *m, *l;       /* [G] each */
+  const uint16_t* qb; /* [G, D] the row's bf16 query heads as they lie (pair-dot scores) */
+  float scale;
 } row_state;
 
 /* Keys [start, start + n) of one segment of a sequence (pages through `table`, table[0] is logical page
@@ -264,17 +443,20 @@ typedef struct {
  * order do not depend on `count`, so it gets the same bits alone or with others; with many rows, the
  * segment's keys and values (2 * SEG * D elements, more than L1) come from memory once, not once per
  * row. `scores` is scratch for count * G * SEG floats. */
-#define DEFINE_SEGMENT(SUFFIX, T)                                                                        \
-  static inline __attribute__((always_inline)) void attend_segment_##SUFFIX(                            \
+#define DEFINE_SEGMENT(SUFFIX, T, ATTR, SCORE)                                                           \
+  ATTR static inline __attribute__((always_inline)) void attend_segment_##SUFFIX(                       \
       const row_state* st, int64_t count, const T* k, const T* v, const int64_t* table, int64_t first,   \
       int64_t start, int64_t n, int64_t G, int64_t D, int64_t P, float* scores) {                        \
     const int64_t C = D / 8;                                                                             \
     for (int64_t pos = start; pos < start + n;) {                                                        \
       const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
       const T* keys = k + pool_row(table, first, pos, P) * D;                                            \
+      const char* piece_values = (const char*)(v + pool_row(table, first, pos, P) * D);                  \
+      for (int64_t byte = 0; byte < cnt * D * (int64_t)sizeof(T); byte += 64) /* summed after the softmax */ \
+        __builtin_prefetch(piece_values + byte);                                                         \
       for (int64_t i = 0; i < count; ++i) {                                                              \
         float* s = scores + i * G * SEG + (pos - start);                                                 \
-        FOR_HEAD_BLOCKS(G, score_piece_##SUFFIX(st[i].qf + g0 * C, hb_, keys, cnt, C, s + g0 * SEG))     \
+        FOR_HEAD_BLOCKS(G, SCORE(st[i], g0, hb_, keys, cnt, C, D, s + g0 * SEG))                         \
       }                                                                                                  \
       pos += cnt;                                                                                        \
     }                                                                                                    \
@@ -290,16 +472,29 @@ typedef struct {
       for (int64_t i = 0; i < count; ++i) {                                                              \
         const float* p = scores + i * G * SEG + (pos - start);                                           \
         if (ATTN_WIDE && C % 2 == 0)                                                                     \
-          FOR_HEAD_BLOCKS(G, value_piece16_##SUFFIX(st[i].acc + g0 * C, hb_, p + g0 * SEG, vals, cnt, C)) \
+          FOR_HEAD_BLOCKS(G, value_piece16_##T(st[i].acc + g0 * C, hb_, p + g0 * SEG, vals, cnt, C))      \
         else                                                                                             \
-          FOR_HEAD_BLOCKS(G, value_piece_##SUFFIX(st[i].acc + g0 * C, hb_, p + g0 * SEG, vals, cnt, C))  \
+          FOR_HEAD_BLOCKS(G, value_piece_##T(st[i].acc + g0 * C, hb_, p + g0 * SEG, vals, cnt, C))       \
       }                                                                                                  \
       pos += cnt;                                                                                        \
     }                                                                                                    \
   }
 
-DEFINE_SEGMENT(f32, float)
-DEFINE_SEGMENT(bf16, uint16_t)
+/* The scores of one head block: fp32 chains over the scaled query (8 lanes), or bf16 pair dots. */
+#define SCORE_F32(st, g0, hb, keys, n, C, D, s) score_piece_f32((st).qf + (g0) * (C), hb, keys, n, C, s)
+#define SCORE_BF16(st, g0, hb, keys, n, C, D, s) score_piece_bf16((st).qf + (g0) * (C), hb, keys, n, C, s)
+#define SCORE_DP_SCALAR(st, g0, hb, keys, n, C, D, s) score_piece_dp_scalar((st).qb + (g0) * (D), hb, keys, n, D, (st).scale, s)
+#define SCORE_DP_TWIN(st, g0, hb, keys, n, C, D, s) score_piece_dp_twin((st).qb + (g0) * (D), hb, keys, n, D, (st).scale, s)
+#define SCORE_DP_ISA(st, g0, hb, keys, n, C, D, s) score_piece_dp_isa((st).qb + (g0) * (D), hb, keys, n, D, (st).scale, s)
+#define NO_ATTR
+
+DEFINE_SEGMENT(f32, float, NO_ATTR, SCORE_F32)
+DEFINE_SEGMENT(bf16, uint16_t, NO_ATTR, SCORE_BF16)
+DEFINE_SEGMENT(dp_scalar, uint16_t, NO_ATTR, SCORE_DP_SCALAR)
+DEFINE_SEGMENT(dp_twin, uint16_t, NO_ATTR, SCORE_DP_TWIN)
+#if DP_HAS_ISA_SOURCE
+DEFINE_SEGMENT(dp_isa, uint16_t, DPA_ISA_TARGET, SCORE_DP_ISA)
+#endif
 
 /* Start of the segment after the one holding `pos`: segments end at multiples of SEG (absolute
  * positions), so a query's segments depend on its own key range alone, never on the batch. */
@@ -357,8 +552,8 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
 /* One task for one kv head: its rows attend the shared keys [0, shared) together, a segment at a time
  * for a block of rows (each page piece read once per block), then each row its own keys
  * [max(lo, shared), hi). Every row goes through the same segments and arithmetic as it would alone. */
-#define DEFINE_TASK(SUFFIX, T, LOADV, STORE)                                                              \
-  static int attend_task_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,             \
+#define DEFINE_TASK(SUFFIX, T, LOADV, STORE, ATTR)                                                        \
+  ATTR static int attend_task_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,             \
                                   int64_t max_pages, const int64_t* row_seq, const int64_t* first_page,  \
                                   const int64_t* kv_len, const int64_t* kv_lo, T* out, int64_t H,         \
                                   int64_t G, int64_t D, int64_t P, float scale, const int64_t* rows,      \
@@ -391,7 +586,8 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
     const int64_t lead = row_seq[rows[0]];                                                               \
     for (int64_t i = 0; i < count; ++i)                                                                  \
       states[i] = (row_state){vectors + 2 * i * G * C, vectors + (2 * i + 1) * G * C, stats + 2 * i * G,  \
-                              stats + (2 * i + 1) * G};                                                  \
+                              stats + (2 * i + 1) * G,                                                   \
+                              (const uint16_t*)(const void*)(q + (rows[i] * H + h * G) * D), scale};     \
     for (int64_t start = 0; start < shared; start += SEG) {                                              \
       if (start + SEG < shared && scattered(tables + lead * max_pages, 0, start + SEG, shared, P))       \
         prefetch_chunk(k, v, tables + lead * max_pages, 0, start + SEG, shared, P, D * (int64_t)sizeof(T)); \
@@ -423,13 +619,14 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
     free(shared_scores);                                                                                 \
     return 0;                                                                                            \
   }                                                                                                      \
-                                                                                                         \
-  int paged_attend_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables, int64_t max_pages, \
+
+#define DEFINE_ENTRY(NAME, T, EXTRA_PARAM, DISPATCH)                                                     \
+  int NAME(const T* q, const T* k, const T* v, const int64_t* tables, int64_t max_pages, \
                             const int64_t* row_seq, const int64_t* first_page, const int64_t* kv_len,     \
                             const int64_t* kv_lo, T* out, int64_t R, int64_t S, int64_t H, int64_t D,     \
                             int64_t Hkv, int64_t NB, int64_t P, float scale, const int64_t* task_rows,   \
                             const int64_t* task_start, const int64_t* task_shared, int64_t tasks,         \
-                            int threads) {                                                               \
+                            int threads EXTRA_PARAM) {                                                   \
     if (Hkv < 1 || H % Hkv || H / Hkv > MAX_G || (H / Hkv) * D > MAX_GD || D % 8 || P < 1 || tasks < 1   \
         || !valid_tasks(tables, max_pages, row_seq, first_page, kv_len, kv_lo, R, S, NB, P, task_rows,    \
                         task_start, task_shared, tasks))                                                 \
@@ -444,16 +641,7 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
       const int64_t* rows = task_rows + task_start[t];                                                   \
       const int64_t count = task_start[t + 1] - task_start[t];                                           \
       int status;                                                                                        \
-      /* constant head sizes let the compiler keep accumulators in registers */                          \
-      if (D == 64)                                                                                       \
-        status = attend_task_##SUFFIX(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, \
-                                      H, G, 64, P, scale, rows, count, task_shared[t], h);                \
-      else if (D == 128)                                                                                 \
-        status = attend_task_##SUFFIX(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, \
-                                      H, G, 128, P, scale, rows, count, task_shared[t], h);               \
-      else                                                                                               \
-        status = attend_task_##SUFFIX(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, \
-                                      H, G, D, P, scale, rows, count, task_shared[t], h);                 \
+      DISPATCH                                                                                           \
       if (status) {                                                                                      \
         _Pragma("omp atomic write")                                                                      \
         failed = 1;                                                                                      \
@@ -462,8 +650,38 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
     return failed ? -2 : 0;                                                                              \
   }
 
-DEFINE_TASK(f32, float, load_f32, store_f32)
-DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR)
+DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16, NO_ATTR)
+DEFINE_TASK(dp_scalar, uint16_t, load_bf16, store_bf16, NO_ATTR)
+DEFINE_TASK(dp_twin, uint16_t, load_bf16, store_bf16, NO_ATTR)
+#if DP_HAS_ISA_SOURCE
+DEFINE_TASK(dp_isa, uint16_t, load_bf16, store_bf16, __attribute__((target("avx512f,avx512bf16"))))
+#endif
+
+/* One task for one kv head through FN, with the head size a constant where it is 64 or 128 (so the compiler
+ * keeps the accumulators in registers). */
+#define CALL_TASK(FN)                                                                                      \
+  (D == 64    ? FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, H, G, 64, P, scale, rows, \
+                   count, task_shared[t], h)                                                              \
+   : D == 128 ? FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, H, G, 128, P, scale,      \
+                   rows, count, task_shared[t], h)                                                        \
+              : FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, H, G, D, P, scale, rows,  \
+                   count, task_shared[t], h))
+#define NO_PARAM
+#define COMMA_VARIANT , int variant
+
+DEFINE_ENTRY(paged_attend_f32, float, NO_PARAM, status = CALL_TASK(attend_task_f32);)
+DEFINE_ENTRY(paged_attend_bf16, uint16_t, NO_PARAM, status = CALL_TASK(attend_task_bf16);)
+/* bf16 with pair-dot scores (see the top): `variant` DP_SCALAR, DP_TWIN or DP_ISA, one that dpa_variant_runs. */
+#if DP_HAS_ISA_SOURCE
+#define DP_ISA_TASK(otherwise) (variant == DP_ISA ? CALL_TASK(attend_task_dp_isa) : (otherwise))
+#else
+#define DP_ISA_TASK(otherwise) (otherwise)
+#endif
+DEFINE_ENTRY(paged_attend_bf16dp, uint16_t, COMMA_VARIANT,
+             status = !dpa_variant_runs(variant) || D % 32 ? -1
+                      : DP_ISA_TASK(variant == DP_TWIN ? CALL_TASK(attend_task_dp_twin)
+                                                       : CALL_TASK(attend_task_dp_scalar));)
 
 int64_t paged_attend_max_gd(void) { return MAX_GD; }
 int64_t paged_attend_segment(void) { return SEG; }

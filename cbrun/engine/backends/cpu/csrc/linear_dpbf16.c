@@ -37,52 +37,17 @@
  */
 #include <stdlib.h>
 
-#include "vec.h"
+#include "dp_pairs.h"
 
 #define DP_BLOCK 32            /* outputs per packed block */
 #define DP_ROWS 8              /* rows of x per step */
 #define DP_CHUNK_BYTES (256 << 10) /* packed x per row chunk: stays in L2 while the weight blocks pass */
-#define DP_SCALAR 0
-#define DP_TWIN 1
-#define DP_ISA 2
 #define DP_BAD_ARGS (-1)
 #define DP_NO_VARIANT (-3)
 
 typedef float dp_tile[DP_ROWS][DP_BLOCK];
 
-static inline float dp_bf16_to_f32(uint16_t h) {
-  union { uint32_t u; float f; } c;
-  c.u = (uint32_t)h << 16;
-  return c.f;
-}
-
-/* ---- flush modes -------------------------------------------------------------------------- */
-
-#if defined(__x86_64__) || defined(__i386__)
-#define DP_FLUSH_BITS 0x8040u /* MXCSR: FTZ (bit 15) and DAZ (bit 6) */
-static inline unsigned dp_flush_on(void) {
-  const unsigned old = __builtin_ia32_stmxcsr();
-  __builtin_ia32_ldmxcsr(old | DP_FLUSH_BITS);
-  return old;
-}
-static inline void dp_flush_restore(unsigned old) { __builtin_ia32_ldmxcsr(old); }
-#elif defined(__aarch64__)
-static inline unsigned dp_flush_on(void) { /* FPCR.FZ (bit 24): denormal inputs and results are zero */
-  const unsigned old = (unsigned)__builtin_aarch64_get_fpcr();
-  __builtin_aarch64_set_fpcr(old | (1u << 24));
-  return old;
-}
-static inline void dp_flush_restore(unsigned old) { __builtin_aarch64_set_fpcr(old); }
-#else
-static inline unsigned dp_flush_on(void) { return 0; } /* no mode to set: the twin fails its check here */
-static inline void dp_flush_restore(unsigned old) { (void)old; }
-#endif
-
 /* ---- DP_SCALAR: the reference ----------------------------------------------------------------- */
-
-static inline float dp_flush(float v) { return fabsf(v) < 1.17549435e-38f ? copysignf(0.f, v) : v; }
-
-static inline float dp_read(uint16_t h) { return dp_flush(dp_bf16_to_f32(h)); } /* denormals read as zero */
 
 static void dp_rows_scalar(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, dp_tile out) {
   for (int r = 0; r < rows; ++r)
@@ -100,27 +65,12 @@ static void dp_rows_scalar(const uint16_t* xp, int64_t Kp, const uint16_t* w, in
 
 /* ---- DP_TWIN: portable vectors, the flush modes doing the flushing ----------------------------- */
 
-typedef uint32_t vNu __attribute__((vector_size(VEC * 4)));
-typedef uint32_t vNu_mem __attribute__((vector_size(VEC * 4), aligned(4), may_alias));
 #define TWIN_VECS (DP_BLOCK / VEC) /* vectors across a block's outputs: 2 (AVX-512) or 4 (8 lanes) */
 #if VEC == 16
 #define TWIN_ROWS 8 /* 16 accumulators + 4 weight halves + 2 splats of 32 zmm */
 #else
 #define TWIN_ROWS 2 /* 8 accumulators + 8 weight halves of 16 ymm would spill at more rows */
 #endif
-
-static inline vNf twin_high(vNu v) { return (vNf)(v & 0xFFFF0000u); } /* element 2p+1 of each pair */
-static inline vNf twin_low(vNu v) { return (vNf)(v << 16); }          /* element 2p */
-
-static inline float twin_scalar_high(uint32_t u) {
-  union { uint32_t u; float f; } c = {u & 0xFFFF0000u};
-  return c.f;
-}
-
-static inline float twin_scalar_low(uint32_t u) {
-  union { uint32_t u; float f; } c = {u << 16};
-  return c.f;
-}
 
 /* TWIN_ROWS (or fewer) rows against one block; each lane the chain of the header, fused multiply-adds
  * where the build targets FMA (-ffp-contract=fast), flushed by the mode the caller set. */
@@ -160,8 +110,7 @@ static void dp_rows_twin(const uint16_t* xp, int64_t Kp, const uint16_t* w, int 
 
 /* ---- DP_ISA: vdpbf16ps ------------------------------------------------------------------------ */
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define DP_HAS_ISA_SOURCE 1
+#if DP_HAS_ISA_SOURCE
 #include <immintrin.h>
 
 #define DP_ISA_TARGET __attribute__((target("avx512f,avx512bf16"), always_inline)) static inline
@@ -211,21 +160,13 @@ __attribute__((target("avx512f,avx512bf16"))) static void dp_rows_isa(const uint
     default: isa_rows_8(xp, Kp, w, out); break;
   }
 }
-#else
-#define DP_HAS_ISA_SOURCE 0
 #endif
 
 typedef void (*dp_rows_fn)(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, dp_tile out);
 
 int dp_variant_runs(int variant) {
   if (variant == DP_SCALAR || variant == DP_TWIN) return 1;
-#if DP_HAS_ISA_SOURCE
-  if (variant == DP_ISA) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-  }
-#endif
-  return 0;
+  return variant == DP_ISA && dp_isa_runs();
 }
 
 static dp_rows_fn dp_rows_for(int variant) {
