@@ -17,6 +17,7 @@ from cbrun.engine import ConfigError, Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.base import BackendUnavailable, TorchBackend
 from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
 from cbrun.engine.backends.selector import choose_backend
+from cbrun.engine.backends.torch_attention import TorchMetadataBuilder
 from cbrun.engine.model_spec import read_model_spec
 from cbrun.engine.step.batch import HOST_ONLY, PagedBatch, SequenceRows
 from cbrun.engine.step.device_copy import to_device
@@ -51,7 +52,7 @@ def test_auto_on_cpu_is_the_compiled_backend_and_close_restores_the_model(tiny_l
 def test_torch_backend_patches_nothing(tiny_llama_dir):
     model, _, spec = _tiny(tiny_llama_dir)
     backend = choose_backend(model, "torch", spec)
-    assert type(backend) is TorchBackend and not backend.attends_rows
+    assert type(backend) is TorchBackend and isinstance(backend.metadata_builder, TorchMetadataBuilder)
     assert not any("forward" in vars(module) for module in model.modules())
 
 

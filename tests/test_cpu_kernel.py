@@ -5,8 +5,7 @@ import torch
 
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
-from cbrun.engine.backends.torch_attention import decode as torch_decode
-from cbrun.engine.step.batch import DecodeLayout
+from cbrun.engine.backends.torch_attention import TorchRows, decode as torch_decode
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -17,7 +16,7 @@ def _layout(tables, kv_len, kv_lo, first_page, page):
     key_pos = first_page[:, None] * page + torch.arange(max_pages * page)[None, :]
     valid = (key_pos < kv_len[:, None]) & (key_pos >= kv_lo[:, None])
     bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, :]
-    return DecodeLayout(tables, kv_len, kv_lo, first_page, pages=tables.reshape(-1), bias=bias)
+    return TorchRows(pages=tables.reshape(-1), bias=bias)
 
 
 def _attend_decodes(q, k_pool, v_pool, tables, kv_len, kv_lo, first_page, scale):

@@ -4,25 +4,29 @@ A backend is chosen once, at engine start, and owns everything device-specific:
 
 - what it installs on the model (the CPU backend's kernel linears and fused
   decoder layers),
-- how the step's attention rows are planned (extra per-step tensors its
-  kernel wants: the CPU kernel's tasks, the Triton kernel's query blocks),
+- the step's attention metadata: its own builder lays every step out the way
+  its attention reads it (vLLM's metadata builders): the torch reference's
+  padded rows and SDPA chunks, or every token a row of its sequence's block
+  table with the kernel's own plan of the rows (the CPU kernel's tasks, the
+  Triton kernel's query blocks),
 - the K/V writes and the attention over the page pools,
 - the output head's projection and the sampler.
 
 The per-step batch (step/batch.py) then carries tensors only, and the
 attention function (step/attention.py) asks the backend that the runner hands
-it. The torch backend here is the reference every other backend is tested
-against: plain torch ops on any device, gathering each row's pages into a
-padded copy. `Backend` names what the engine asks of any backend; the engine
-core, the step and the selector hold a backend by that protocol only. The
-device backends (cpu/, cuda/) build on the torch backend and import nothing
-else of this package; selector.py picks one by name.
+it. `Backend` names what the engine asks of any backend; the engine core, the
+step and the selector hold a backend by that protocol only. The torch backend
+here is the reference every other backend is tested against: plain torch ops
+on any device (torch_attention.py). The device backends (cpu/, cuda/) build on
+it and on the kernel row layout below, and import nothing else of this
+package; selector.py picks one by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 from cbrun.engine.backends import torch_attention
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
-from cbrun.engine.step.batch import DecodeLayout, SequenceRows
+from cbrun.engine.step.batch import AttentionMetadataBuilder, PrefillSeq, RowLayout, SequenceRows
 from cbrun.engine.step.sampler import Sampled, sample
 from cbrun.engine.step.scoring import ScoredRows, score_logits
 
@@ -43,7 +47,7 @@ class Backend(Protocol):
     """What the engine asks of a compute backend, from install to close. TorchBackend is the reference."""
 
     name: str
-    attends_rows: bool  # every query token a row with its own key range (the kernels' layout)
+    metadata_builder: AttentionMetadataBuilder  # lays out each step's attention (as decided at install)
 
     def install(self, model: CausalLM, spec: ModelSpec) -> None:
         """Patch what the backend runs itself into the model, and decide what applies to it."""
@@ -51,10 +55,6 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Give the model back as it came (apart from its attention implementation)."""
-        ...
-
-    def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor | int, ...]:
-        """Extra per-step tensors the row attention wants for these sequences."""
         ...
 
     def write_kv(
@@ -68,11 +68,11 @@ class Backend(Protocol):
         query: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        rows: DecodeLayout,
+        rows: RowLayout,
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
-        """Query rows [H, R, D] over their own keys -> [R, H, D]."""
+        """Query rows [H, R, D] over their own keys, as `metadata_builder` laid them out -> [R, H, D]."""
         ...
 
     def project(self, head: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
@@ -92,27 +92,80 @@ class Backend(Protocol):
         ...
 
 
+@dataclass
+class KernelRows(RowLayout):
+    """Every query token of the step a row of its sequence's block table, read in place by a compiled kernel."""
+
+    tables: torch.Tensor  # [S, max_pages] int64 block ids of each sequence, padded with its first
+    row_seq: torch.Tensor  # [R] the sequence (table) of each row
+    first_page: torch.Tensor  # [S] logical page of each table's first entry
+    kv_len: torch.Tensor  # [R] keys visible at positions < kv_len ...
+    kv_lo: torch.Tensor  # [R] ... and >= kv_lo (sliding window), else 0
+    plan: tuple[Any, ...]  # the backend's own plan of the rows, tensors and sizes (the CPU tasks, the Triton blocks)
+
+
+RowPlanner = Callable[[Sequence[SequenceRows], int, bool], tuple[Any, ...]]  # (seqs, page size, windowed)
+
+
+class KernelMetadataBuilder:
+    """The compiled kernels' layout: every token a row, whatever its sequence (one arithmetic for all).
+
+    `plan(seqs, page_size, windowed)` adds the backend's own plan of the rows.
+    """
+
+    def __init__(self, plan: RowPlanner) -> None:
+        self.plan = plan
+
+    def attends_as_row(self, start: int, count: int) -> bool:
+        return True
+
+    def build(
+        self, seqs: Sequence[SequenceRows], page_size: int, window: int | None
+    ) -> tuple[KernelRows, list[PrefillSeq]]:
+        max_pages = max(len(seq.table) for seq in seqs)
+        lengths: list[int] = []
+        row_seq: list[int] = []
+        for index, seq in enumerate(seqs):
+            lengths.extend(range(seq.start + 1, seq.start + seq.count + 1))  # causal: keys up to the token's own
+            row_seq.extend([index] * seq.count)
+        lows = [max(0, n - window) if window is not None else 0 for n in lengths]
+        rows = KernelRows(
+            tables=torch.tensor(
+                [seq.table + [seq.table[0]] * (max_pages - len(seq.table)) for seq in seqs], dtype=torch.long
+            ),
+            row_seq=torch.tensor(row_seq, dtype=torch.long),
+            first_page=torch.tensor([seq.first_page for seq in seqs], dtype=torch.long),
+            kv_len=torch.tensor(lengths, dtype=torch.long),
+            kv_lo=torch.tensor(lows, dtype=torch.long),
+            plan=self.plan(seqs, page_size, window is not None),
+        )
+        return rows, []
+
+
+def metadata_builder_for(plan: RowPlanner | None) -> AttentionMetadataBuilder:
+    """The layout of a backend whose compiled kernel attends every row with this plan of them, or (None) the
+    torch reference's, for a backend whose kernel does not cover the model."""
+    return KernelMetadataBuilder(plan) if plan is not None else torch_attention.TorchMetadataBuilder()
+
+
 class TorchBackend:
     """Reference backend: torch ops only, on any device.
 
     Decodes and short chunks over a cached context are attended row by row
     over their gathered pages with a key bias; other chunks go through SDPA
-    per sequence (batch.py lays the step out that way when `attends_rows` is
-    False).
+    per sequence (torch_attention.TorchMetadataBuilder lays the step out).
     """
 
     name = "torch"
-    attends_rows = False  # every query token a row with its own key range (the kernels' layout)
+
+    def __init__(self) -> None:
+        self.metadata_builder = metadata_builder_for(None)
 
     def install(self, model: CausalLM, spec: ModelSpec) -> None:
         """Patch what the backend runs itself into the model (nothing for torch)."""
 
     def close(self) -> None:
         """Give the model back as it came (apart from its attention implementation)."""
-
-    def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor | int, ...]:
-        """Extra per-step tensors the row attention wants for these sequences (kernel backends only)."""
-        return ()
 
     def write_kv(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
@@ -125,12 +178,13 @@ class TorchBackend:
         query: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        rows: DecodeLayout,
+        rows: RowLayout,
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys -> [R, H, D] (the torch path; kernels override)."""
-        return torch_attention.decode(query, k_pool, v_pool, rows.per_row(), scale, softcap)
+        assert isinstance(rows, torch_attention.TorchRows)  # laid out by the torch builder
+        return torch_attention.decode(query, k_pool, v_pool, rows, scale, softcap)
 
     def project(self, head: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
         """The output head: rows [n, hidden] -> fp32 logits [n, V]."""

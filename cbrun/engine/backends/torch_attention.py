@@ -1,4 +1,4 @@
-"""The torch reference attention over the paged cache: plain torch ops, any device.
+"""The torch reference attention over the paged cache, and the per-step metadata it reads: plain torch ops, any device.
 
 Every other backend is tested against these functions. Single-query rows
 (decodes, short chunks over a cached context) are attended in one batched
@@ -6,14 +6,89 @@ call over their gathered pages with a key bias; each longer or fresh prefill
 chunk goes through SDPA (plain causal when it has no cached prefix, else an
 explicit bottom-right causal mask). Soft-capped layers (Gemma 2) spell the
 cap out, since SDPA cannot cap.
+
+`TorchMetadataBuilder` lays a step out that way, once per step on the host:
+the rows' padded page tables and key biases, the chunks' pages and masks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.step.batch import DecodeLayout, PrefillSeq
+from cbrun.engine.step.batch import PrefillSeq, RowLayout, SequenceRows
+
+ROW_CHUNK = 64  # chunks over a cached context up to this long are attended row by row
+
+
+@dataclass
+class TorchRows(RowLayout):
+    """The torch path's rows: every row's pages through one padded table, and a bias that masks its keys."""
+
+    pages: torch.Tensor  # [B * max_pages] int64 block ids, row b's padded table at [b * max_pages, (b + 1) * max_pages)
+    bias: torch.Tensor  # [B, 1, max_pages * page] fp32: 0 for a key at a position in [kv_lo, kv_len), else -inf
+
+
+class TorchMetadataBuilder:
+    """The torch reference's layout: decodes and short chunks over a cached context as rows, other chunks whole."""
+
+    def attends_as_row(self, start: int, count: int) -> bool:
+        return count == 1 or (start > 0 and count <= ROW_CHUNK)
+
+    def build(
+        self, seqs: Sequence[SequenceRows], page_size: int, window: int | None
+    ) -> tuple[TorchRows | None, list[PrefillSeq]]:
+        rows = [seq for seq in seqs if self.attends_as_row(seq.start, seq.count)]
+        chunks = seqs[len(rows) :]  # the batch builder put the row sequences first
+        layout = _rows(rows, page_size, window) if rows else None
+        return layout, [_chunk(seq, page_size, window) for seq in chunks]
+
+
+def _rows(seqs: Sequence[SequenceRows], page: int, window: int | None) -> TorchRows:
+    """One padded table per row (its sequence's, repeated) and the bias of its visible keys: causal, and within
+    the window if any. Padding pages hold finite values (zeroed pools) and are masked."""
+    max_pages = max(len(seq.table) for seq in seqs)
+    padded: list[list[int]] = []
+    firsts: list[int] = []
+    lengths: list[int] = []
+    for seq in seqs:
+        row_table = seq.table + [seq.table[0]] * (max_pages - len(seq.table))
+        for pos in range(seq.start, seq.start + seq.count):
+            padded.append(row_table)
+            firsts.append(seq.first_page)
+            lengths.append(pos + 1)  # causal: keys up to and including this token
+    kv_len = torch.tensor(lengths, dtype=torch.long)  # [B]
+    kv_lo = torch.tensor([max(0, n - window) if window is not None else 0 for n in lengths], dtype=torch.long)  # [B]
+    offsets = torch.arange(max_pages * page)  # [L]
+    key_pos = torch.tensor(firsts, dtype=torch.long)[:, None] * page + offsets[None, :]  # [B, L]
+    valid = (key_pos < kv_len[:, None]) & (key_pos >= kv_lo[:, None])
+    bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
+    return TorchRows(pages=torch.tensor(padded, dtype=torch.long).reshape(-1), bias=bias[:, None, :])
+
+
+def _chunk(seq: SequenceRows, page: int, window: int | None) -> PrefillSeq:
+    """A chunk attended whole: over its own keys alone when it starts the sequence, else over its pages."""
+    start, count, offset = seq.start, seq.count, seq.first_row
+    query_pos = torch.arange(start, start + count)  # [q]
+    if start == 0:
+        mask = None
+        if window is not None and count > window:
+            mask = _causal_window(query_pos, torch.arange(count), window)
+        return PrefillSeq(offset, offset + count, True, None, mask)
+    key_pos = seq.first_page * page + torch.arange(len(seq.table) * page)  # [L]
+    mask = _causal_window(query_pos, key_pos, window)
+    return PrefillSeq(offset, offset + count, False, torch.tensor(seq.table, dtype=torch.long), mask)
+
+
+def _causal_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[q, k] bool: key at or before the query, and within the window if any."""
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > query_pos[:, None] - window
+    return allowed
 
 
 def write(
@@ -29,36 +104,22 @@ def decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    layout: DecodeLayout,
+    rows: TorchRows,
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Torch path: one query per sequence, all sequences at once: [H, B, D] -> [B, H, D]."""
+    """Torch path: one query per row, all rows at once: [H, B, D] -> [B, H, D]."""
     num_heads, batch, dim = q.shape
-    num_kv, _, page, _ = k_pool.shape
+    num_kv = k_pool.shape[0]
     group = num_heads // num_kv
-    if layout.pages is None:  # the first layer of the step derives the gather and the bias, the others reuse them
-        _add_torch_addresses(layout, page)
-    assert layout.pages is not None and layout.bias is not None  # both set together, just above or earlier
-    keys = k_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)  # [H_kv, B, L, D]
-    values = v_pool.index_select(1, layout.pages).view(num_kv, batch, -1, dim)
+    keys = k_pool.index_select(1, rows.pages).view(num_kv, batch, -1, dim)  # [H_kv, B, L, D]
+    values = v_pool.index_select(1, rows.pages).view(num_kv, batch, -1, dim)
     q = q.view(num_kv, group, batch, dim).transpose(1, 2)  # [H_kv, B, G, D]
     scores = _cap(torch.matmul(q, keys.transpose(-1, -2)).float() * scale, softcap)  # [H_kv, B, G, L]
-    scores += layout.bias  # [B, 1, L] broadcasts
+    scores += rows.bias  # [B, 1, L] broadcasts
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [H_kv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads, dim)
-
-
-def _add_torch_addresses(layout: DecodeLayout, page: int) -> None:
-    """Fill `layout.pages` and `layout.bias` [B, 1, L] from the per-row tables and key ranges: keys at
-    positions in [kv_lo, kv_len) get 0, the rest (padding pages included) -inf."""
-    offsets = torch.arange(layout.tables.shape[1] * page, device=layout.tables.device)  # [L]
-    key_pos = layout.first_page[:, None] * page + offsets[None, :]  # [B, L]
-    valid = (key_pos < layout.kv_len[:, None]) & (key_pos >= layout.kv_lo[:, None])
-    bias = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-    layout.bias = bias.masked_fill_(~valid, float("-inf"))[:, None, :]  # [B, 1, L]
-    layout.pages = layout.tables.reshape(-1)
 
 
 def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:

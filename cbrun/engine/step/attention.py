@@ -6,15 +6,16 @@ once per layer with the new tokens' projections:
     query  [1, H, T, D]      key/value [1, H_kv, T, D]      -> output [1, T, H, D]
 
 The function writes the new K/V into the layer's page pool, then attends,
-both through the engine's compute backend (backend.py), which the runner
-passes next to the step's batch. With a row-attending backend (the compiled
-CPU kernel, Triton on CUDA) every query token is a row attended in place
-over its own keys, in one call for the whole step: one arithmetic for
-decodes, prefill chunks and shared prefixes, so a token's output never
-depends on what else is in the step. The torch reference (torch_attention.py)
-attends single-query rows over their gathered pages and each prefill chunk
-with SDPA. transformers builds no mask for our name, so the engine owns
-causality.
+both through the engine's compute backend (backends/base.py), which the runner
+passes next to the step's batch. The leading `num_rows` tokens are attended
+row by row by the backend, as its metadata builder laid them out: with a
+compiled kernel (CPU, Triton) that is every token of the step, each attended
+in place over its own keys in one call, so one arithmetic serves decodes,
+prefill chunks and shared prefixes and a token's output never depends on
+what else is in the step. The torch reference's layout leaves longer or
+fresh chunks after the rows, each attended whole with SDPA
+(torch_attention.py). transformers builds no mask for our name, so the
+engine owns causality.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from cbrun.engine.step.batch import PagedBatch
 
 ATTENTION_NAME = "cbrun_paged"
 BATCH_KWARG = "cbrun_batch"  # the step's PagedBatch (tensors only)
-BACKEND_KWARG = "cbrun_backend"  # the engine's compute backend (backend.py), which attends and writes K/V
+BACKEND_KWARG = "cbrun_backend"  # the engine's compute backend (backends/base.py), which attends and writes K/V
 
 
 def paged_attention(
@@ -45,8 +46,7 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """`softcap` (Gemma 2) caps the scores as `softcap * tanh(s / softcap)`; the compiled kernels do not,
-    so the engine lays a soft-capped model's steps out for the torch paths (its backend's
-    `attends_rows` is False)."""
+    so a backend lays a soft-capped model's steps out for the torch paths."""
     batch: PagedBatch = kwargs[BATCH_KWARG]
     backend: Backend = kwargs[BACKEND_KWARG]
     layer = module.layer_idx
@@ -58,8 +58,8 @@ def paged_attention(
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
     if batch.num_rows:
         q = query[0, :, : batch.num_rows]  # [H, R, D]
-        assert layout.decode is not None  # row-attended tokens have their layout
-        out[: batch.num_rows] = backend.attend_rows(q, k_pool, v_pool, layout.decode, scale, softcap)  # [R, H, D]
+        assert layout.rows is not None  # row-attended tokens have their layout
+        out[: batch.num_rows] = backend.attend_rows(q, k_pool, v_pool, layout.rows, scale, softcap)  # [R, H, D]
     for seq in layout.prefills:
         out[seq.start : seq.end] = torch_attention.prefill(query, key, value, k_pool, v_pool, seq, scale, softcap)
     return out.unsqueeze(0), None

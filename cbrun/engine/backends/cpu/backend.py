@@ -4,7 +4,8 @@ The engine core wires this and nothing else of the CPU path. At install it
 routes the model's linear layers through the compiled linear kernel
 (linear.py), gives Llama-shaped decoder layers the fused forward
 (fused_layers.py) and decides once whether the compiled attention applies
-to the model; per step it plans the attention tasks and runs the kernels.
+to the model; per step its metadata builder plans the attention tasks, and
+the kernels run.
 Every kernel gives a row the same bits whatever else is in its step (batch
 invariance), so what this backend computes for a request never depends on
 its neighbours.
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cbrun.engine.backends.base import TorchBackend
+from cbrun.engine.backends.base import KernelRows, TorchBackend, metadata_builder_for
 from cbrun.engine.backends.cpu.attention_tasks import plan_tasks
 from cbrun.engine.backends.cpu.fused_layers import install_fused_layers, uninstall as uninstall_fused_layers
 from cbrun.engine.backends.cpu.kernels import CpuKernels
@@ -25,7 +26,7 @@ from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
 from cbrun.engine.backends.cpu.method_selector import MethodChoice, choose_linear_method
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
-from cbrun.engine.step.batch import DecodeLayout, SequenceRows
+from cbrun.engine.step.batch import RowLayout, SequenceRows
 from cbrun.engine.step.sampler import Sampled, sample
 from cbrun.engine.step.scoring import ScoredRows, score_logits
 
@@ -41,6 +42,7 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self, kernels: CpuKernels, policy: str = "portable") -> None:
+        super().__init__()  # the torch layout until install finds the compiled attention applies
         self.kernels = kernels
         self.policy = policy  # which linear methods may serve (method_selector.py)
         self.attends_rows = False
@@ -66,6 +68,7 @@ class CpuBackend(TorchBackend):
         self.attends_rows = not spec.softcaps_attention and self.kernels.supports_attention(
             kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim
         )
+        self.metadata_builder = metadata_builder_for(self.plan_rows if self.attends_rows else None)
 
     def close(self) -> None:
         uninstall_linears(self.linears)
@@ -87,14 +90,14 @@ class CpuBackend(TorchBackend):
         query: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        rows: DecodeLayout,
+        rows: RowLayout,
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
-        if not self.attends_rows or softcap:
+        if not isinstance(rows, KernelRows):  # a model the kernel does not cover: the torch layout and path
             return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
-        assert rows.row_seq is not None  # a row-attending backend's steps are laid out in the kernel form
+        assert not softcap  # the kernel layout is chosen only for models that do not cap (install)
         return self.kernels.attend(
             query.transpose(0, 1).contiguous(),
             k_pool,

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
-from cbrun.engine.backends.base import TorchBackend
+from cbrun.engine.backends.base import KernelRows, TorchBackend, metadata_builder_for
 from cbrun.engine.model_spec import CausalLM, ModelSpec
-from cbrun.engine.step.batch import DecodeLayout, SequenceRows
+from cbrun.engine.step.batch import RowLayout, SequenceRows
 
 log = logging.getLogger("cbrun.engine")
 
@@ -53,6 +53,7 @@ class CudaBackend(TorchBackend):
     name = "triton"
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()  # the torch layout until install finds the kernel applies
         self.device = device
         self.attends_rows = False
         self.block_rows = 1
@@ -72,6 +73,7 @@ class CudaBackend(TorchBackend):
         else:
             self.why_not = _probe(self.device, kv.dtype, spec.num_heads, kv.num_kv_heads, kv.head_dim)
         self.attends_rows = not self.why_not
+        self.metadata_builder = metadata_builder_for(self.plan_rows if self.attends_rows else None)
         if self.why_not:
             log.warning("Triton attention off (%s): the torch attention runs instead", self.why_not)
 
@@ -92,17 +94,17 @@ class CudaBackend(TorchBackend):
         query: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        rows: DecodeLayout,
+        rows: RowLayout,
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
-        if not self.attends_rows or softcap:
+        if not isinstance(rows, KernelRows):  # a model the kernel does not cover: the torch layout and path
             return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
+        assert not softcap  # the kernel layout is chosen only for models that do not cap (install)
         from cbrun.engine.backends.cuda.triton_attention import paged_attention
 
         blocks, block_rows = rows.plan
-        assert rows.row_seq is not None  # a row-attending backend's steps are laid out in the kernel form
         return paged_attention(
             query.transpose(0, 1),
             k_pool,
