@@ -185,9 +185,9 @@ def score(
 
 def run_score(opts: ScoreOptions) -> int:
     """The whole command; returns the exit code (raises CliError for usage problems)."""
-    from cbrun.data.job import JobProgress
+    from cbrun.data.job import GenerateJob, JobProgress
     from cbrun.data.reader import InputError
-    from cbrun.data.score import ScoreFormat, ScoreJob, ScorePreparer
+    from cbrun.data.score import ScoreFormat, ScorePreparer, ScoreRows
 
     quiet_libraries(opts.quiet)
     check_input_output(opts)
@@ -217,14 +217,13 @@ def run_score(opts: ScoreOptions) -> int:
             )
             writer = target.open_writer(fmt, data_stream, append=opts.resume)
             progress = JobProgress(rows_total=source.total)
-            job = ScoreJob(
+            job = GenerateJob(
                 engine,
                 source,
                 preparer,
                 fmt,
                 writer,
-                prompt_logprobs=opts.prompt_logprobs,
-                top_logprobs=opts.top_logprobs,
+                kind=ScoreRows(prompt_logprobs=opts.prompt_logprobs, top_logprobs=opts.top_logprobs),
                 resume=resume_state,
                 window=opts.window,
                 progress=progress,

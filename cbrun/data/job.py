@@ -13,6 +13,12 @@ Stopping: `stop()` stops taking input and lets in-flight rows finish;
 `stop(hard=True)` stops the engine at once (its queued and running requests
 fail with "engine stopped"); results finished before are written, the killed
 ones are not, so `--resume` redoes exactly them.
+
+The loop is the same for every kind of row; what differs between generated
+and scored rows (which samples a row still needs, the submission order, the
+engine request a row becomes) is the job's `RowKind`: `GenerateRows` here,
+`ScoreRows` in `cbrun.data.score`. How results become output rows is the
+job's `OutputFormat`.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from cbrun.data.openai_batch import OpenAIFormat
 from cbrun.data.prompts import BadRow, RowPreparer, RowSpec
@@ -53,6 +59,53 @@ class RowWriter(Protocol):
     def maybe_flush(self) -> None: ...
 
     def flush(self) -> None: ...
+
+
+SpecT_contra = TypeVar("SpecT_contra", bound=RowSpec, contravariant=True)
+
+
+class RowKind(Protocol[SpecT_contra]):
+    """What a job does with its kind of row (the specs its preparer makes), between parsing and results."""
+
+    def pending_samples(self, spec: SpecT_contra, resume: ResumeState | None) -> list[int]:
+        """The samples of this row still to write (every one without resume); none: the row is done."""
+        ...
+
+    def sort_key(self, spec: SpecT_contra) -> tuple[list[int], list[list[int]]]:
+        """Submission order within a window: rows sharing a prefix adjacent, so they hit the prefix cache."""
+        ...
+
+    def submit(self, engine: Engine, spec: SpecT_contra, samples: list[int], request_id: str) -> list[int]:
+        """Add the row's engine request for `samples`; returns the samples the engine will return results for
+        (those not in `samples` are dropped unwritten)."""
+        ...
+
+
+@dataclass(frozen=True)
+class GenerateRows:
+    """Generated rows: one sampled request per row, for all of its `n` samples.
+
+    On resume a row with only some samples written is run whole and the written
+    samples are dropped: a sample's random stream is (seed, sample index), so it
+    cannot be asked for alone, and a seeded rerun reproduces the missing ones exactly.
+    """
+
+    keep_prompt_ids: bool = False  # the output format writes the prompt's token ids
+
+    def pending_samples(self, spec: RowSpec, resume: ResumeState | None) -> list[int]:
+        n = spec.sampling.n
+        return resume.missing_samples(spec.id, n) if resume is not None else list(range(n))
+
+    def sort_key(self, spec: RowSpec) -> tuple[list[int], list[list[int]]]:
+        return spec.token_ids or [], []  # all set once tokenized
+
+    def submit(self, engine: Engine, spec: RowSpec, samples: list[int], request_id: str) -> list[int]:
+        token_ids = spec.token_ids
+        assert token_ids is not None  # tokenized, not yet submitted
+        if not self.keep_prompt_ids:
+            spec.token_ids = None  # the engine holds its own copy; in-flight rows stay small
+        engine.add_request(token_ids, spec.sampling, request_id=request_id)
+        return list(range(spec.sampling.n))
 
 
 DEFAULT_WINDOW = 4096
@@ -101,11 +154,12 @@ class _Request:
 
 
 class GenerateJob:
-    """Runs one generate job to completion (or until stopped).
+    """Runs one job to completion (or until stopped).
 
-    engine: an Engine (add_request, get_result, stop).
+    engine: an Engine (add_request or add_score_request, get_result, stop).
     rows: the input rows. preparer: validation and tokenization.
-    fmt: the output format (CbrunFormat or OpenAIFormat); writer: where rows go.
+    fmt: the output format (CbrunFormat, OpenAIFormat, ScoreFormat); writer: where rows go.
+    kind: the rows' kind (default: generated rows, `GenerateRows`; scored: `cbrun.data.score.ScoreRows`).
     openai: set when the input is OpenAI Batch API requests (rows are converted first).
     resume: what an earlier run wrote (those rows are skipped).
     """
@@ -118,6 +172,7 @@ class GenerateJob:
         fmt: OutputFormat,
         writer: RowWriter,
         *,
+        kind: RowKind[Any] | None = None,  # takes the specs `preparer` makes
         openai: OpenAIFormat | None = None,
         resume: ResumeState | None = None,
         window: int = DEFAULT_WINDOW,
@@ -136,8 +191,8 @@ class GenerateJob:
         self.progress = progress or JobProgress()
         if resume is not None:
             self.progress.rows_failed = resume.failed_rows
+        self.kind: RowKind[Any] = kind or GenerateRows(keep_prompt_ids=getattr(fmt, "prompt_token_ids", False))
         self._requests: dict[str, _Request] = {}
-        self._keep_prompt_ids = getattr(fmt, "prompt_token_ids", False)  # the output needs them
         self._stop_level = 0  # 1: stop reading input, 2: stop at once
 
     def stop(self, hard: bool = False) -> None:
@@ -183,8 +238,7 @@ class GenerateJob:
             if isinstance(spec, BadRow):
                 self._write_bad(spec)
                 continue
-            n = spec.sampling.n
-            samples = self.resume.missing_samples(spec.id, n) if self.resume else list(range(n))
+            samples = self.kind.pending_samples(spec, self.resume)
             if not samples:
                 self._count_skipped()
                 continue
@@ -196,7 +250,7 @@ class GenerateJob:
                 self._write_bad(item)
             else:
                 ready.append(item)
-        ready.sort(key=lambda spec: spec.token_ids or [])  # shared prefixes adjacent: prefix-cache hits (all set)
+        ready.sort(key=self.kind.sort_key)
         for spec in ready:
             self._add(spec, missing[spec.index])
 
@@ -210,19 +264,12 @@ class GenerateJob:
         return self.preparer.parse(raw, record, meta)
 
     def _add(self, spec: RowSpec, samples: list[int]) -> None:
-        """Submit a row. On resume a row with only some samples written is run whole and the
-        written samples are dropped: a sample's random stream is (seed, sample index), so it
-        cannot be asked for alone, and a seeded rerun reproduces the missing ones exactly."""
-        n = spec.sampling.n
-        row = _Row(spec, remaining=n, skip=set(range(n)) - set(samples))
-        self.progress.rows_in_flight += 1
+        """Submit a row for `samples`; results for other samples (see `RowKind.submit`) are dropped."""
         request_id = str(spec.index)
-        self._requests[request_id] = _Request(row, n)
-        token_ids = spec.token_ids
-        assert token_ids is not None  # tokenized, not yet submitted
-        if not self._keep_prompt_ids:
-            spec.token_ids = None  # the engine holds its own copy; in-flight rows stay small
-        self.engine.add_request(token_ids, spec.sampling, request_id=request_id)
+        returned = self.kind.submit(self.engine, spec, samples, request_id)
+        row = _Row(spec, remaining=len(returned), skip=set(returned) - set(samples))
+        self.progress.rows_in_flight += 1
+        self._requests[request_id] = _Request(row, len(returned))
 
     def _write_bad(self, bad: BadRow) -> None:
         if self.resume is not None and self.resume.has_bad_row(bad.index):

@@ -19,20 +19,21 @@ to the prompt's tokens: no token spans the boundary and no BOS is added, as in
 space between prompt and completion belongs in the completion text (" Paris"),
 where the model's own tokenization puts it.
 
-The job itself is `GenerateJob` with scoring requests in place of sampled ones:
-same window, prefix-sorted submission, resume, stop and error rows.
+The job itself is `GenerateJob` with `ScoreRows` as its row kind (scoring
+requests in place of sampled ones): same window, prefix-sorted submission,
+resume, stop and error rows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cbrun.data.job import GenerateJob, RowWriter, _Request, _Row
 from cbrun.data.prompts import BadRow, RowPreparer, RowSpec, SpecT, _bad_from, _row_id
 from cbrun.data.reader import RawRow
+from cbrun.data.resume import ResumeState
 from cbrun.data.schema import STOPPED_MARKER, RowKey, bad_row_number, engine_error
 from cbrun.engine.config import SamplingParams
 from cbrun.engine.request import GenerationOutput
@@ -333,62 +334,25 @@ class ScoreFormat:
         return pa.schema([(c, types[c] if c in types else keep_types.get(c, pa.string())) for c in self.columns()])
 
 
-class ScoreJob(GenerateJob):
-    """`GenerateJob` submitting scoring requests: one engine request id per input row, one
-    result (sample) per completion; resume skips every (id, sample) already written."""
+@dataclass(frozen=True)
+class ScoreRows:
+    """Scored rows, the `RowKind` of a score job: one scoring request per input row, one result
+    (sample) per completion still to write; resume skips every (id, sample) already written."""
 
-    preparer: ScorePreparer
+    prompt_logprobs: bool = False
+    top_logprobs: int = 0
 
-    def __init__(
-        self,
-        engine: Engine,
-        rows: Iterable[RawRow],
-        preparer: ScorePreparer,
-        fmt: ScoreFormat,
-        writer: RowWriter,
-        *,
-        prompt_logprobs: bool = False,
-        top_logprobs: int = 0,
-        **kwargs: Any,
-    ):
-        super().__init__(engine, rows, preparer, fmt, writer, **kwargs)
-        self.prompt_logprobs = prompt_logprobs
-        self.top_logprobs = top_logprobs
+    def pending_samples(self, spec: ScoreRowSpec, resume: ResumeState | None) -> list[int]:
+        done = resume.done if resume is not None else set()
+        return [s for s in spec.samples if (spec.id, s) not in done]
 
-    def _submit(self, raws: list[RawRow]) -> None:
-        specs: list[ScoreRowSpec] = []
-        missing: dict[int, list[int]] = {}  # row index -> samples to score
-        for raw in raws:
-            spec = self.preparer.parse(raw)
-            if isinstance(spec, BadRow):
-                self._write_bad(spec)
-                continue
-            done = self.resume.done if self.resume is not None else set()
-            samples = [s for s in spec.samples if (spec.id, s) not in done]
-            if not samples:
-                self._count_skipped()
-                continue
-            specs.append(spec)
-            missing[spec.index] = samples
-        ready: list[ScoreRowSpec] = []
-        for item in self.preparer.tokenize(specs):
-            if isinstance(item, BadRow):
-                self._write_bad(item)
-            else:
-                ready.append(item)
-        # shared prompts adjacent (every tokenized row has both lists)
-        ready.sort(key=lambda spec: (spec.token_ids or [], spec.completion_ids or []))
-        for spec in ready:
-            self._add_score(spec, missing[spec.index])
+    def sort_key(self, spec: ScoreRowSpec) -> tuple[list[int], list[list[int]]]:
+        return spec.token_ids or [], spec.completion_ids or []  # shared prompts adjacent (tokenized: both set)
 
-    def _add_score(self, spec: ScoreRowSpec, samples: list[int]) -> None:
-        row = _Row(spec, remaining=len(samples))
-        self.progress.rows_in_flight += 1
-        request_id = str(spec.index)
-        self._requests[request_id] = _Request(row, len(samples))
+    def submit(self, engine: Engine, spec: ScoreRowSpec, samples: list[int], request_id: str) -> list[int]:
         assert spec.token_ids is not None and spec.completion_ids is not None  # tokenized, not yet submitted
         by_sample = dict(zip(spec.samples, spec.completion_ids))
-        self.engine.add_score_request(
+        engine.add_score_request(
             spec.token_ids,
             [by_sample[s] for s in samples],
             request_id,
@@ -397,3 +361,4 @@ class ScoreJob(GenerateJob):
             top_logprobs=self.top_logprobs,
         )
         spec.token_ids, spec.completion_ids = None, None  # the engine holds its own copies
+        return samples
