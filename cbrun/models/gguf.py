@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from cbrun.models.cache import cache_dir
+from cbrun.user_cache import cache_dir
 
 
 def dequantize_config():

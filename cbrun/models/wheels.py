@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cbrun.models.aliases import ALIASES, WheelAsset
-from cbrun.models.cache import cache_dir
 from cbrun.models.errors import ModelLoadError
+from cbrun.user_cache import cache_dir
 
 
 def fetch_alias(alias: str) -> Path:

@@ -45,6 +45,8 @@ from typing import ClassVar
 
 import torch
 
+from cbrun.user_cache import cache_dir
+
 log = logging.getLogger("cbrun.engine")
 
 _SOURCES = Path(__file__).with_name("csrc")  # *.c built into one library, with their shared header
@@ -64,10 +66,7 @@ _tried = False
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("CBRUN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cbrun"
-    )
-    return Path(root) / "kernels"
+    return cache_dir() / "kernels"
 
 
 def _sources() -> list[Path]:

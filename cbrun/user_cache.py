@@ -1,4 +1,5 @@
-"""cbrun's per-user cache directory: alias model files, dequantized GGUF copies, the benchmarks' models."""
+"""cbrun's per-user cache directory: alias model files, dequantized GGUF copies, the benchmarks' models, the
+compiled kernels. At the package root, so the engine (kernels) and the model loader (models/) share it."""
 
 from __future__ import annotations
 
