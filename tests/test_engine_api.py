@@ -185,11 +185,11 @@ def test_a_failing_step_fails_live_requests_and_the_engine_goes_on(llama, monkey
 
 
 def test_engine_start_releases_the_callers_openmp_pool(llama, monkeypatch):
-    """The loop thread's OpenMP pool must be the only one (engine/backends/cpu/openmp.py): Engine frees the caller's."""
-    import cbrun.engine.engine as engine_module
+    """The loop thread's OpenMP pool must be the only one (engine/backends/openmp.py): Engine frees the caller's."""
+    from cbrun.engine.backends import openmp
 
     callers = []
-    monkeypatch.setattr(engine_module, "release_caller_threads", lambda: callers.append(threading.get_ident()))
+    monkeypatch.setattr(openmp, "release_caller_threads", lambda: callers.append(threading.get_ident()))
     model, tokenizer = llama
     with Engine(model, tokenizer, EngineConfig(num_blocks=64)):
         pass
@@ -201,7 +201,7 @@ def test_release_caller_threads_ends_this_threads_openmp_workers():
 
     import torch
 
-    from cbrun.engine.backends.cpu.openmp import release_caller_threads
+    from cbrun.engine.backends.openmp import release_caller_threads
 
     if not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2:
         pytest.skip("needs Linux and at least two OpenMP threads")

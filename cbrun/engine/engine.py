@@ -18,7 +18,6 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 
-from cbrun.engine.backends.cpu.openmp import release_caller_threads
 from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
 from cbrun.engine.core import EngineCore, StepOutcome
 from cbrun.engine.model_spec import CausalLM, Tokenizer
@@ -51,7 +50,7 @@ class Engine:
         self._closed = False
         self._asleep = False  # sleep() gave the KV pool back; requests are refused until wake_up()
         self._thread = threading.Thread(target=self._loop, name="cbrun-engine", daemon=True)
-        release_caller_threads()  # the loop thread's OpenMP pool must be the only one (see openmp.py)
+        self.core.backend.before_loop_thread()  # e.g. the loop thread's OpenMP pool must be the only one
         self._thread.start()
 
     # -- submitting ---------------------------------------------------------
@@ -367,10 +366,7 @@ class Engine:
     def linear_kernels(self) -> str:
         """The linear method serving each weight dtype and whether its bits are the same on every CPU
         (the CPU backend's choice at load), or the backend's name where it has no such choice."""
-        methods = getattr(self.core.backend, "method_choices", None)
-        if not methods:
-            return self.core.backend.name
-        return "; ".join(choice.brief() for choice in methods)
+        return self.core.backend.linear_kernels()
 
     # -- weights and memory between rollouts -----------------------------------
     def update_weights(self, weights: WeightSource) -> int:

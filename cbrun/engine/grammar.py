@@ -27,12 +27,13 @@ import logging
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from cbrun.engine.config import StructuredSpec
 from cbrun.engine.model_spec import Tokenizer
+from cbrun.engine.step.compiled import SamplingKernels
 
 if TYPE_CHECKING:  # llguidance is imported where it is used (its native library loads then)
     from llguidance import LLMatcher, LLTokenizer
@@ -230,13 +231,15 @@ def without_tokens(mask: torch.Tensor | None, token_ids: tuple[int, ...], vocab_
     return banned
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor], kernels: Any = None) -> None:
+def apply_masks(
+    logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor], kernels: SamplingKernels | None = None
+) -> None:
     """Set the logits of tokens each mask disallows to -inf, in place, in its row only.
 
     logits [N, V]; rows: indices into N; masks: packed [W] int32 each.
     Columns past the mask's 32 * W tokens (none when built for V) stay as they are.
-    With the compiled CPU kernels, one pass over the packed bits (unpacking them into torch tensors cost
-    ~90 ms a step for 96 rows of a 49,152-token vocabulary); the same -inf either way.
+    With compiled kernels (the ones the sampler is given), one pass over the packed bits (unpacking them
+    into torch tensors cost ~90 ms a step for 96 rows of a 49,152-token vocabulary); the same -inf either way.
     """
     packed = torch.stack(masks).to(logits.device)  # [r, W]
     if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.backends import torch_attention
+from cbrun.engine.backends import openmp, torch_attention
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
 from cbrun.engine.step.batch import AttentionMetadataBuilder, PrefillSeq, RowLayout, SequenceRows
@@ -89,6 +89,16 @@ class Backend(Protocol):
 
     def describe(self) -> str:
         """One line for the log: the backend and what of it applies to this model."""
+        ...
+
+    def linear_kernels(self) -> str:
+        """What serves the linear layers, for the run summary: the method per weight dtype where the backend
+        chose one at install, else the backend's name."""
+        ...
+
+    def before_loop_thread(self) -> None:
+        """Called in the thread that made the engine, just before the engine's loop thread starts: what the
+        process needs before that thread computes."""
         ...
 
 
@@ -200,3 +210,10 @@ class TorchBackend:
 
     def describe(self) -> str:
         return self.name
+
+    def linear_kernels(self) -> str:
+        return self.name
+
+    def before_loop_thread(self) -> None:
+        """Free this thread's idle OpenMP workers, so the loop thread's pool is the only one (openmp.py)."""
+        openmp.release_caller_threads()

@@ -26,16 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from cbrun.engine.config import SamplingParams
 from cbrun.engine.grammar import apply_masks, without_tokens
 from cbrun.engine.request import Request
-
-if TYPE_CHECKING:
-    from cbrun.engine.backends.cpu.kernels import CpuKernels
+from cbrun.engine.step.compiled import SamplingKernels
 
 _MASK64 = (1 << 64) - 1
 
@@ -62,10 +59,10 @@ class Sampled:
     top: list[list[tuple[int, float]]] | None
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request], kernels: CpuKernels | None = None) -> Sampled:
+def sample(logits: torch.Tensor, requests: Sequence[Request], kernels: SamplingKernels | None = None) -> Sampled:
     """Choose one token per row of `logits` ([N, V]) for the matching request.
 
-    With the compiled CPU kernels, argmax, log-sum-exp and plain temperature
+    With compiled kernels (the CPU backend passes its own), argmax, log-sum-exp and plain temperature
     draws take one parallel pass per row; rows with top-k / top-p / min-p
     filters then go through the torch filters. Without them, full-vocabulary
     torch passes are kept few: greedy rows need an argmax and a logsumexp;
@@ -101,7 +98,7 @@ def _row_mask(request: Request, vocab_size: int) -> torch.Tensor:
 
 
 def _model_logprobs(
-    picked: Sampled, raw: torch.Tensor, rows: list[int], requests: Sequence[Request], kernels: CpuKernels | None
+    picked: Sampled, raw: torch.Tensor, rows: list[int], requests: Sequence[Request], kernels: SamplingKernels | None
 ) -> None:
     """Replace the masked rows' logprobs (and alternatives) by the unmasked distribution's,
     computed as `_sample` computes them for a free row, so a token's logprob is the same
@@ -125,7 +122,7 @@ def _model_logprobs(
             picked.top[rows[j]] = top[j]
 
 
-def _sample(logits: torch.Tensor, requests: Sequence[Request], kernels: CpuKernels | None) -> Sampled:
+def _sample(logits: torch.Tensor, requests: Sequence[Request], kernels: SamplingKernels | None) -> Sampled:
     if kernels is not None and logits.device.type == "cpu":
         return _sample_with_kernel(logits.contiguous(), requests, kernels)
     params = [r.sampling for r in requests]
@@ -163,7 +160,7 @@ def _filtered(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
 
 
-def _sample_with_kernel(logits: torch.Tensor, requests: Sequence[Request], kernels: CpuKernels) -> Sampled:
+def _sample_with_kernel(logits: torch.Tensor, requests: Sequence[Request], kernels: SamplingKernels) -> Sampled:
     params = [r.sampling for r in requests]
     inv_temp = torch.tensor([1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params])  # [N]
     uniform = torch.tensor(

@@ -15,12 +15,10 @@ memory stays at one [rows, V] block whatever the sequence length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from cbrun.engine.backends.cpu.kernels import CpuKernels
+from cbrun.engine.step.compiled import SamplingKernels
 
 
 @dataclass
@@ -33,7 +31,7 @@ class ScoredRows:
 
 
 def score_logits(
-    logits: torch.Tensor, targets: torch.Tensor, top_k: int, kernels: CpuKernels | None = None
+    logits: torch.Tensor, targets: torch.Tensor, top_k: int, kernels: SamplingKernels | None = None
 ) -> ScoredRows:
     """Logprob of targets[i] ([c] int64) under logits[i] ([c, V]) at temperature 1.
 

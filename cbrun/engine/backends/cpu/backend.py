@@ -124,6 +124,10 @@ class CpuBackend(TorchBackend):
     def score(self, logits: torch.Tensor, targets: torch.Tensor, top_k: int) -> ScoredRows:
         return score_logits(logits, targets, top_k, self.kernels)
 
+    def linear_kernels(self) -> str:
+        """The method serving each weight dtype and whether its bits are the same on every CPU."""
+        return "; ".join(choice.brief() for choice in self.method_choices) or self.name
+
     def describe(self) -> str:
         attention = "compiled" if self.attends_rows else "torch"
         methods = "; ".join(c.summary() for c in self.method_choices) or "no linear layers"

@@ -6,12 +6,14 @@ probes its fused layers; then the engine's own thread steps the model and
 opens a second pool. libgomp lets idle workers spin only while the threads
 it manages are no more than the CPUs (`gomp_throttled_spin_count_var` in its
 wait code); past that, every worker goes to sleep between parallel regions
-and each of the thousands of regions in a step waits for a futex wake-up. On
-the 2-core test machine, the same EngineCore loop run in a second thread took
-14-34% longer than in the main thread (a torch add of 1024 x 576 floats: 0.13
-vs 0.04 ms), and the Engine ran W-prefix 10-25% slower than its own core.
-`omp_pause_resource_all` (OpenMP 5.0) frees the calling thread's pool, so the
-engine thread's pool is the only one while it runs.
+and each of the thousands of regions in a step waits for a futex wake-up
+(docs/performance.md has what that cost). `omp_pause_resource_all` (OpenMP
+5.0) frees the calling thread's pool, so the engine thread's pool is the only
+one while it runs.
+
+torch's own CPU ops and the compiled kernels share the one OpenMP runtime, so
+the torch backend does this in its `before_loop_thread` hook (base.py), and
+every backend built on it inherits it.
 """
 
 from __future__ import annotations
