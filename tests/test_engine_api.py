@@ -138,6 +138,45 @@ def test_iteration_and_stats(llama):
     assert stats.output_tokens_per_s > 0
 
 
+def test_every_way_a_request_ends_sets_its_finish_time_and_counts_it(llama, monkeypatch):
+    """Length, stop, refused at submission, a failed forward, a failed step, cancel and hard stop: each
+    result has a finish time, and the stats count each end once, by how it ended."""
+    model, tokenizer = llama
+    vocab = _vocab(model)
+    prompt = random_prompts(vocab, [12], seed=11)[0]
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    ends = {}
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=100))
+    try:
+        ends["length"] = ("length", engine.generate_batch([prompt], greedy)[0])
+        first = ends["length"][1].token_ids[0]
+        stop = SamplingParams(max_tokens=3, temperature=0, stop_token_ids=[first])
+        ends["stop"] = ("stop", engine.generate_batch([prompt], stop)[0])
+        ends["refused"] = ("error", engine.generate_batch([[1, 2, vocab + 5]], greedy)[0])
+        with monkeypatch.context() as patch:
+            patch.setattr(engine.core.runner, "forward", lambda batch: 1 / 0)
+            ends["forward"] = ("error", engine.generate_batch([prompt], greedy)[0])
+        with monkeypatch.context() as patch:
+            patch.setattr(engine.core.scheduler, "schedule", lambda: 1 / 0)
+            ends["step"] = ("error", engine.generate_batch([prompt], greedy)[0])
+        engine.add_request(prompt, LONG, request_id="cancelled")
+        _wait_until(lambda: engine.stats().decoding == 1)
+        assert engine.cancel_request("cancelled")
+        ends["cancel"] = ("cancelled", engine.get_result("cancelled", timeout=10))
+        engine.add_request(prompt, LONG, request_id="stopped")
+        _wait_until(lambda: engine.stats().decoding == 1)
+        engine.stop(hard=True)
+        ends["hard stop"] = ("error", engine.get_result("stopped", timeout=10))
+        stats = engine.stats()
+    finally:
+        engine.destroy()
+    for path, (reason, out) in ends.items():
+        assert out.finish_reason == reason, (path, out.finish_reason, out.error)
+        assert out.finish_time is not None and out.finish_time >= out.arrival_time, path
+    assert "forward failed" in ends["forward"][1].error and "engine step failed" in ends["step"][1].error
+    assert (stats.finished, stats.failed, stats.cancelled) == (2, 4, 1)
+
+
 def test_add_requests_from_threads(llama):
     model, tokenizer = llama
     prompts = random_prompts(_vocab(model), [12] * 8, seed=8)

@@ -7,7 +7,7 @@ import pytest
 from cbrun.engine.cache.kv_cache import KVCacheManager
 from cbrun.engine.cache.offload import SoftResetPreemptor
 from cbrun.engine.config import EngineConfig, SamplingParams
-from cbrun.engine.request import Request, RequestStatus
+from cbrun.engine.request import Request
 from cbrun.engine.scheduler import Scheduler
 
 
@@ -58,7 +58,7 @@ def _simulate(
             cache.commit(request.key, request.all_token_ids, request.num_computed_tokens)
             if request.num_computed_tokens == request.num_tokens:
                 request.all_token_ids.append(rng.randrange(vocab))
-                request.status = RequestStatus.DECODING
+                request.mark_running()
                 if request.num_generated >= request.sampling.max_tokens or rng.random() < 0.03:
                     scheduler.remove(request)
                     live.remove(request)

@@ -3,11 +3,18 @@
 No threads here: `Engine` (engine.py) runs `step()` in a background loop and
 owns queues, results and streams. Keeping the core synchronous makes it easy
 to test and to reason about: read `step()` and you know the engine.
+
+A request's life ends in one place, `finish`: its status, reason, error,
+finish time and final text, and the stats counter of how it ended. Every end
+goes through it: stop and length, a grammar's error, a request the scheduler
+found too large, a failed forward, and the engine's cancels, hard stops,
+failed steps and requests refused before they reach the loop.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -94,6 +101,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(tokenizer, self.spec.vocab_size)  # structured outputs, one compile per spec
         self._masks: MaskFiller | None = None  # started with the first constrained request
         self._stats = StatsSnapshot(blocks_total=num_blocks)
+        self._ends_lock = threading.Lock()  # `finish` is also called by callers' threads, for refused requests
         self._started = time.perf_counter()
         self._stash: WeightStash | None = None  # the weights while asleep at level 2
         log.info(
@@ -168,10 +176,33 @@ class EngineCore:
         self.scheduler.add(request)
 
     def remove(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> None:
-        """End a live request now: its blocks go back to the pool at once."""
+        """End a live request now: its blocks go back to the pool at once.
+
+        It is finished first, so that it ends even if giving its blocks back is what fails.
+        """
+        self.finish(request, status, reason, error)
         self.scheduler.remove(request)
         self.preemptor.discard(request)
-        self._finish(request, status, reason, error)
+
+    def finish(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> None:
+        """End a request's life: the one place its final status, reason, error and finish time are set and
+        its end is counted in the stats. `remove` it instead while it holds blocks or a queue place.
+
+        Also called by callers' threads (for requests refused before they reach the loop), so the counters
+        are updated under a lock; such requests have no generated text to decode.
+        """
+        request.status = status
+        request.finish_reason = reason
+        request.error = error
+        request.finish_time = time.perf_counter()
+        counter = {
+            RequestStatus.FINISHED: "finished",
+            RequestStatus.FAILED: "failed",
+            RequestStatus.CANCELLED: "cancelled",
+        }[status]
+        with self._ends_lock:
+            setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        request.text = self.detok.final_text(request) if request.num_generated and request.score is None else ""
 
     def live_requests(self) -> list[Request]:
         return self.scheduler.running + self.scheduler.waiting
@@ -185,8 +216,8 @@ class EngineCore:
         outcome = StepOutcome()
         started = time.perf_counter()
         batch_plan = self.scheduler.schedule()
-        for request, message in batch_plan.failed:
-            self._finish(request, RequestStatus.FAILED, "error", message)
+        for request, message in batch_plan.failed:  # the scheduler already took them out
+            self.finish(request, RequestStatus.FAILED, "error", message)
             outcome.finished.append(request)
         if not batch_plan:
             return outcome
@@ -251,8 +282,7 @@ class EngineCore:
         for request, _, _ in spans:
             if request.score_done:
                 request.first_token_time = request.first_token_time or time.perf_counter()
-                self.scheduler.remove(request)
-                self._finish(request, RequestStatus.FINISHED, "stop")
+                self.remove(request, RequestStatus.FINISHED, "stop")
                 outcome.finished.append(request)
 
     def _advance(self, items: list[tuple[Request, int]]) -> None:
@@ -265,7 +295,7 @@ class EngineCore:
                 )
             request.num_computed_tokens += count
             self.cache.commit(request.key, request.all_token_ids, request.num_computed_tokens)
-            request.status = RequestStatus.PREFILLING if request.is_prefilling else RequestStatus.DECODING
+            request.mark_running()
 
     def _append(
         self,
@@ -287,16 +317,14 @@ class EngineCore:
         self._stats.generated_tokens += 1
         reason = self._stop_reason(request, token)
         if request.grammar is not None and request.grammar.error is not None:
-            self.scheduler.remove(request)
-            self._finish(request, RequestStatus.FAILED, "error", request.grammar.error)
+            self.remove(request, RequestStatus.FAILED, "error", request.grammar.error)
             outcome.finished.append(request)
             return
         if request.stream:
             delta = self.detok.stream_delta(request) if reason is None else ""
             outcome.tokens.append(TokenEvent(request, token, logprob, delta))
         if reason is not None:
-            self.scheduler.remove(request)
-            self._finish(request, RequestStatus.FINISHED, reason)
+            self.remove(request, RequestStatus.FINISHED, reason)
             outcome.finished.append(request)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
@@ -317,19 +345,6 @@ class EngineCore:
         if not params.ignore_eos and token in self.spec.eos_token_ids:
             return True
         return self.detok.stop_string_hit(request)
-
-    def _finish(self, request: Request, status: RequestStatus, reason: str, error: str | None = None) -> None:
-        request.status = status
-        request.finish_reason = reason
-        request.error = error
-        request.finish_time = time.perf_counter()
-        request.text = self.detok.final_text(request) if request.num_generated and request.score is None else ""
-        counter = {
-            RequestStatus.FINISHED: "finished",
-            RequestStatus.FAILED: "failed",
-            RequestStatus.CANCELLED: "cancelled",
-        }[status]
-        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
 
     # -- weights and memory between rollouts ----------------------------------
     def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:

@@ -134,7 +134,7 @@ class Engine:
         for sample_index in range(params.n):
             request = Request(rid, sample_index, ids, params, seed, next(self._arrivals), stream=stream)
             if error is not None:
-                request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", error
+                self.core.finish(request, RequestStatus.FAILED, "error", error)
                 self._deliver_finished(request)
             else:
                 self._inbox.append(request)
@@ -233,7 +233,7 @@ class Engine:
                 for request in group:
                     request.arrival_order = next(self._arrivals)
                     if request.error is not None:
-                        request.status, request.finish_reason = RequestStatus.FAILED, "error"
+                        self.core.finish(request, RequestStatus.FAILED, "error", request.error)
                         self._deliver_finished(request)
                     else:
                         self._inbox.append(request)
@@ -269,8 +269,8 @@ class Engine:
             for request in self.core.live_requests():
                 try:
                     self.core.remove(request, RequestStatus.FAILED, "error", message)
-                except Exception:  # bookkeeping may be what broke; deliver the error regardless
-                    request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", message
+                except Exception:  # bookkeeping may be what broke; `remove` finishes the request first: deliver it
+                    log.exception("could not give back the blocks of a failed request")
                 self._deliver_finished(request)
 
     def _publish(self, outcome: StepOutcome) -> None:
@@ -351,7 +351,7 @@ class Engine:
                 if request in live:
                     self.core.remove(request, RequestStatus.CANCELLED, "cancelled")
                 else:
-                    request.status, request.finish_reason = RequestStatus.CANCELLED, "cancelled"
+                    self.core.finish(request, RequestStatus.CANCELLED, "cancelled")
                 self._deliver_finished(request)
             return bool(found or live)
 
@@ -447,7 +447,7 @@ class Engine:
             if request in self.core.live_requests():
                 self.core.remove(request, RequestStatus.FAILED, "error", message)
             else:
-                request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", message
+                self.core.finish(request, RequestStatus.FAILED, "error", message)
             self._deliver_finished(request)
 
     def destroy(self) -> None:

@@ -190,6 +190,21 @@ class Request:
     def is_prefilling(self) -> bool:
         return self.num_uncomputed > 1
 
+    # -- status while alive (EngineCore.finish alone ends a request) -------------
+    def mark_running(self) -> None:
+        """Scheduled for a step: PREFILLING while more than one token lacks its K/V, else DECODING."""
+        self.status = RequestStatus.PREFILLING if self.is_prefilling else RequestStatus.DECODING
+
+    def mark_offloaded(self) -> None:
+        """Preempted with its K/V copied to the swap pool: it comes back without recompute."""
+        self.status = RequestStatus.OFFLOADED
+
+    def restart(self) -> None:
+        """Preempted by soft reset: nothing of it is cached, so it waits to be computed again from token 0
+        (its generated tokens stay in the sequence)."""
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.PENDING
+
     # -- scoring ------------------------------------------------------------------
     @property
     def score_from(self) -> int:

@@ -194,7 +194,7 @@ class Scheduler:
                 return
             self.waiting.pop(index)
             inflight.update(produces[: count // self.cache.page_size])
-            request.status = RequestStatus.PREFILLING if request.is_prefilling else RequestStatus.DECODING
+            request.mark_running()
             self.running.append(request)
             batch.items.append((request, count))
             budget -= count

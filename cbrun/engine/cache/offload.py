@@ -15,7 +15,7 @@ import torch
 
 from cbrun.engine.cache.kv_cache import KVCacheManager
 from cbrun.engine.cache.kv_store import KVStore, zeros
-from cbrun.engine.request import Request, RequestStatus
+from cbrun.engine.request import Request
 
 
 @dataclass
@@ -38,8 +38,7 @@ class SoftResetPreemptor:
 
     def soft_reset(self, request: Request) -> None:
         self.cache.free(request.key)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PENDING
+        request.restart()
         self.counters.soft_resets += 1
 
     def restore(self, request: Request, num_tokens: int) -> bool:
@@ -87,7 +86,7 @@ class CpuOffloadPreemptor(SoftResetPreemptor):
         for request, groups in moving:
             self.cache.free(request.key)
             self._saved[request.key] = groups
-            request.status = RequestStatus.OFFLOADED
+            request.mark_offloaded()
             self.counters.offloads += 1
 
     def _plan(self, request: Request) -> list[SavedGroup] | None:
