@@ -16,6 +16,7 @@ Plain Python, no torch.
 from __future__ import annotations
 
 import bisect
+import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +39,14 @@ class Preemptor(Protocol):
     def discard(self, request: Request) -> None:
         """Forget whatever the preemptor keeps for a request that leaves for good (its offloaded KV)."""
         ...
+
+
+class Reservation(enum.Enum):
+    """What became of a running request's claim on slots for its next tokens this step."""
+
+    RESERVED = "reserved"  # the slots are allocated: it runs this step
+    PREEMPTED = "preempted"  # it gave way itself (newer requests had nothing left to give)
+    FAILED = "failed"  # alone in the engine and still too large for the whole cache: it ends
 
 
 @dataclass
@@ -102,8 +111,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             count = min(request.num_uncomputed, budget)
             outcome = self._reserve(request, count, scheduled, batch)
-            preempted |= outcome != "ok"
-            if outcome == "ok":
+            preempted |= outcome is not Reservation.RESERVED
+            if outcome is Reservation.RESERVED:
                 batch.items.append((request, count))
                 scheduled.add(id(request))
                 budget -= count
@@ -121,7 +130,7 @@ class Scheduler:
             return prefilling + decoding
         return decoding + prefilling
 
-    def _reserve(self, request: Request, count: int, scheduled: set[int], batch: ScheduledBatch) -> str:
+    def _reserve(self, request: Request, count: int, scheduled: set[int], batch: ScheduledBatch) -> Reservation:
         """Allocate slots for `count` more tokens, preempting newer requests if needed."""
         target = request.num_computed_tokens + count
         while not self.cache.allocate(request.key, target):
@@ -134,10 +143,10 @@ class Scheduler:
                 self.running.remove(request)
                 self.cache.free(request.key)
                 batch.failed.append((request, self._too_large_message(request)))
-                return "failed"
+                return Reservation.FAILED
             self._preempt([request])
-            return "preempted"
-        return "ok"
+            return Reservation.PREEMPTED
+        return Reservation.RESERVED
 
     def _victims(self, shortfall: int, exclude: set[int]) -> list[Request]:
         """The fewest newest running requests (not protected this step) whose blocks cover the shortfall."""
