@@ -45,7 +45,7 @@ class CpuBackend(TorchBackend):
         super().__init__()  # the torch layout until install finds the compiled attention applies
         self.kernels = kernels
         self.policy = policy  # which linear methods may serve (method_selector.py)
-        self.attends_rows = False
+        self.attends_rows = False  # whether the compiled attention covers the model (install decides)
         self.linears: dict[torch.nn.Linear, LayerMethod] = {}
         self.fused_layers: list[torch.nn.Module] = []
         self.method_choices: list[MethodChoice] = []

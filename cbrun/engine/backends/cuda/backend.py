@@ -55,7 +55,7 @@ class CudaBackend(TorchBackend):
     def __init__(self, device: torch.device) -> None:
         super().__init__()  # the torch layout until install finds the kernel applies
         self.device = device
-        self.attends_rows = False
+        self.attends_rows = False  # whether the compiled attention covers the model (install decides)
         self.block_rows = 1
         self.why_not = ""  # why attention stays on the torch path, when it does
 
