@@ -13,8 +13,10 @@ import typer
 
 from cbrun.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, CliError
 from cbrun.cli.generate import generate
+from cbrun.cli.generate_options import GenerateOptions
 from cbrun.cli.info import info, version_text
-from cbrun.cli.score import score
+from cbrun.cli.options import command
+from cbrun.cli.score import ScoreOptions, score
 
 app = typer.Typer(
     name="cbrun",
@@ -24,8 +26,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.command("generate")(generate)
-app.command("score")(score)
+app.command("generate")(command(GenerateOptions, generate))
+app.command("score")(command(ScoreOptions, score))
 app.command("info")(info)
 
 
@@ -44,6 +46,9 @@ def _options(
 def _register_bench() -> None:
     try:
         from cbrun.cli.bench import bench
+        from cbrun.cli.bench_options import BenchOptions
+
+        bench_command = command(BenchOptions, bench)
     except ModuleNotFoundError as exc:
         if exc.name == "cbrun.cli.bench":
             return  # not written yet
@@ -51,7 +56,7 @@ def _register_bench() -> None:
     except Exception as exc:  # a bug in bench must not take generate down
         error = exc
     else:
-        app.command("bench")(bench)
+        app.command("bench")(bench_command)
         return
     message = f"cbrun bench is unavailable: {type(error).__name__}: {error}"
 

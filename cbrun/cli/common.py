@@ -1,19 +1,20 @@
-"""What the commands share: the usage-error type, model and engine options, model loading.
+"""What the commands share: the usage-error type and exit codes, engine config and model loading, and the
+checks of INPUT, OUTPUT and the input rows made before any model loads.
 
-`generate` and `bench` declare their model and engine options with the
-aliases below (`page_size: PageSizeOption = None`, ...), turn them into an
-EngineConfig with `build_engine_config` and load the model with `load_model`,
-so both commands spell, document and check them the same way.
+The options themselves are declared in `cbrun.cli.options`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from enum import Enum
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING
 
-import typer
+if TYPE_CHECKING:
+    from cbrun.cli.options import Device, Dtype
+    from cbrun.data.reader import InputSource
 
 EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -24,96 +25,6 @@ class CliError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_USAGE):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class Dtype(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Kernels(str, Enum):
-    portable = "portable"
-    fastest = "fastest"
-
-
-class Scheduler(str, Enum):
-    fifo = "fifo"
-    prefill_first = "prefill-first"
-
-
-MODEL_PANEL, ENGINE_PANEL = "Model", "Engine"
-DEFAULT_MODEL = "smollm2-135m"
-
-ModelOption = Annotated[
-    str,
-    typer.Option(
-        "--model",
-        "-m",
-        help="HF model dir, hub id (downloaded unless cached or HF_HUB_OFFLINE=1), .gguf file or alias.",
-        rich_help_panel=MODEL_PANEL,
-    ),
-]
-RevisionOption = Annotated[
-    Optional[str],
-    typer.Option(help="Branch, tag or commit of a hub --model.", show_default=False, rich_help_panel=MODEL_PANEL),
-]
-DtypeOption = Annotated[
-    Dtype,
-    typer.Option(
-        help="Weights and compute dtype (auto: bf16 on CPUs with bf16 dot products, AVX512-BF16 or AMX, whose "
-        "kernel passes its self-check; else fp32; bf16 or fp16 on GPU). `cbrun info` shows the choice.",
-        rich_help_panel=MODEL_PANEL,
-    ),
-]
-DeviceOption = Annotated[Device, typer.Option(help="Where to run.", rich_help_panel=MODEL_PANEL)]
-PageSizeOption = Annotated[
-    Optional[int], typer.Option(help="KV-cache page size in tokens.", rich_help_panel=ENGINE_PANEL)
-]
-NumBlocksOption = Annotated[
-    Optional[int], typer.Option(help="KV-cache pages (default: sized from free memory).", rich_help_panel=ENGINE_PANEL)
-]
-MaxBatchTokensOption = Annotated[
-    Optional[int], typer.Option(help="Query tokens per forward pass.", rich_help_panel=ENGINE_PANEL)
-]
-MaxRequestsPerBatchOption = Annotated[
-    Optional[int], typer.Option(help="Sequences per forward pass.", rich_help_panel=ENGINE_PANEL)
-]
-SchedulerOption = Annotated[
-    Optional[Scheduler], typer.Option(help="Step ordering (default fifo).", rich_help_panel=ENGINE_PANEL)
-]
-SafetyMarginOption = Annotated[
-    Optional[float],
-    typer.Option(help="Free-cache fraction below which no new prefill starts.", rich_help_panel=ENGINE_PANEL),
-]
-NoPrefixCacheOption = Annotated[
-    bool, typer.Option("--no-prefix-cache", help="Disable prefix caching.", rich_help_panel=ENGINE_PANEL)
-]
-CpuOffloadOption = Annotated[
-    Optional[float],
-    typer.Option(help="CPU swap pool (GiB) for preempted requests; 0 recomputes them.", rich_help_panel=ENGINE_PANEL),
-]
-MaxMemoryPercentOption = Annotated[
-    Optional[float],
-    typer.Option(help="Share of free memory for the KV cache (0.5 or 50).", rich_help_panel=ENGINE_PANEL),
-]
-KernelsOption = Annotated[
-    Optional[Kernels],
-    typer.Option(
-        help="CPU linear kernels: portable (default; the same bits on every CPU) or fastest (may take a method "
-        "whose bits are this CPU's own, e.g. oneDNN on fixed blocks, when a trial shows it faster; still "
-        "batch-invariant).",
-        show_default=False,
-        rich_help_panel=ENGINE_PANEL,
-    ),
-]
 
 
 def build_engine_config(
@@ -207,3 +118,24 @@ def check_input_output(opts) -> None:
         raise CliError("missing OUTPUT (a .jsonl or .parquet path, or - for stdout)")
     if opts.window < 1:
         raise CliError(f"--window must be at least 1, got {opts.window}")
+
+
+def keep_columns(text: str | None, output_columns: Iterable[str]) -> tuple[str, ...]:
+    """--keep-columns a,b as names; refused where a name would overwrite one of the command's own columns."""
+    names = tuple(c.strip() for c in (text or "").split(",") if c.strip())
+    clash = [c for c in names if c in output_columns]
+    if clash:
+        raise CliError(f"--keep-columns: {', '.join(clash)} would overwrite output columns")
+    return names
+
+
+def open_rows(opts, columns: set[str]) -> InputSource:
+    """INPUT or --dataset, reading only `columns` (and --prompt-column) where the format allows."""
+    from cbrun.data.reader import InputError, open_input
+
+    if opts.prompt_column:
+        columns = {*columns, opts.prompt_column}
+    try:
+        return open_input(opts.input, dataset=opts.dataset, split=opts.split, columns=columns)
+    except InputError as exc:
+        raise CliError(str(exc)) from None
