@@ -6,8 +6,8 @@ per task, each page of them passing through all of the task's rows while it
 sits in L1. Two kinds
 of rows share:
 
-- the tokens of one prefill chunk (all of the chunk's cached context, and the
-  earlier tokens of the chunk itself), and
+- the tokens of one prefill chunk (the chunk's cached context, and the earlier
+  tokens of the chunk itself: each row shares the whole segments it sees), and
 - decode rows of different sequences whose first blocks are the same (a common
   system prompt, the n samples of one prompt): "cascade" attention.
 
@@ -35,30 +35,38 @@ def plan_tasks(
     """Tasks for the kernel: (rows [R], start [T + 1], shared keys [T]), int64, largest tasks first.
 
     Sequences whose first block is the same (and that see keys from position 0)
-    are grouped; a group's shared keys are the leading pages common to all its
-    tables and visible to all its rows, rounded down to whole segments. Rows in
-    no group with shared keys are tasks of their own.
+    are grouped. A row can share the leading pages common to all the group's
+    tables that it sees whole, in whole segments; the group's rows are sorted by
+    that count and cut into tasks of rows that share the same number of
+    segments. So the rows of a prefill chunk past the first segment share it,
+    those past the second share two, and so on (causal rows see different
+    prefixes), and decodes on a common prompt share all of its whole segments.
+    Rows that share nothing are tasks of their own.
     """
     groups: dict[int, list[SequenceRows]] = {}
-    singles: list[SequenceRows] = []
+    singles: list[tuple[int, int]] = []  # (row, keys it sees)
     for seq in seqs:
         if windowed or seq.first_page != 0:
-            singles.append(seq)
+            singles.extend((seq.first_row + i, seq.start + i + 1) for i in range(seq.count))
         else:
             groups.setdefault(seq.table[0], []).append(seq)
     tasks: list[tuple[int, list[int], int]] = []  # (cost, rows, shared keys)
     for members in groups.values():
-        shared = _shared_keys(members, page_size, segment)
-        if shared == 0:
-            singles.extend(members)
-            continue
-        rows = [row for seq in members for row in range(seq.first_row, seq.first_row + seq.count)]
-        ends = [seq.start + i + 1 for seq in members for i in range(seq.count)]
-        for at in range(0, len(rows), max_rows):
-            tasks.append((sum(ends[at : at + max_rows]), rows[at : at + max_rows], shared))
-    for seq in singles:
-        for i in range(seq.count):
-            tasks.append((seq.start + i + 1, [seq.first_row + i], 0))
+        common = _common_keys(members, page_size)
+        by_shared: dict[int, list[tuple[int, int]]] = {}
+        for seq in members:
+            for i in range(seq.count):
+                visible = seq.start + i + 1
+                shared = min(common, visible) // segment * segment
+                if shared == 0:
+                    singles.append((seq.first_row + i, visible))
+                else:
+                    by_shared.setdefault(shared, []).append((seq.first_row + i, visible))
+        for shared, rows in by_shared.items():
+            for at in range(0, len(rows), max_rows):
+                part = rows[at : at + max_rows]
+                tasks.append((sum(visible for _, visible in part), [row for row, _ in part], shared))
+    tasks.extend((visible, [row], 0) for row, visible in singles)
     tasks.sort(key=lambda task: -task[0])  # long tasks first: dynamic scheduling then balances the tail
     rows = [row for _, task_rows, _ in tasks for row in task_rows]
     starts = [0]
@@ -71,12 +79,10 @@ def plan_tasks(
     )
 
 
-def _shared_keys(members: list[SequenceRows], page_size: int, segment: int) -> int:
-    """Keys from 0 on the same blocks for every member and visible to each of its rows, in whole segments."""
-    visible = min(seq.start + 1 for seq in members)  # the earliest row of each sequence sees start + 1 keys
+def _common_keys(members: list[SequenceRows], page_size: int) -> int:
+    """Keys from 0 on the same blocks in every member's table."""
     lead = members[0].table
     common = min(len(seq.table) for seq in members)
     for seq in members[1:]:
         common = next((i for i in range(common) if seq.table[i] != lead[i]), common)
-    keys = min(common * page_size, visible)
-    return keys // segment * segment
+    return common * page_size
