@@ -549,6 +549,24 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
   return block < count ? block : count;
 }
 
+/* Per-thread scratch for a task's row states and shared scores, grown as needed and kept: a step runs
+ * thousands of tasks (every prefill row that shares no segment is one), and four mallocs and frees per
+ * task showed in profiles. */
+static _Thread_local char* task_room;
+static _Thread_local size_t task_room_bytes;
+
+static inline size_t scratch_round(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+
+static char* task_scratch(size_t bytes) {
+  if (bytes > task_room_bytes) {
+    free(task_room);
+    const size_t grown = bytes < (64 << 10) ? (64 << 10) : scratch_round(bytes + bytes / 2);
+    task_room = aligned_alloc(64, grown);
+    task_room_bytes = task_room ? grown : 0;
+  }
+  return task_room;
+}
+
 /* One task for one kv head: its rows attend the shared keys [0, shared) together, a segment at a time
  * for a block of rows (each page piece read once per block), then each row its own keys
  * [max(lo, shared), hi). Every row goes through the same segments and arithmetic as it would alone. */
@@ -561,17 +579,16 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
     const int64_t C = D / 8;                                                                             \
     float scores[MAX_G * SEG] __attribute__((aligned(32)));                                              \
     const int64_t block = shared ? shared_block(G, count) : 1;                                           \
-    v8f* vectors = aligned_alloc(32, sizeof(v8f) * 2 * G * C * count);                                   \
-    float* stats = malloc(sizeof(float) * 2 * G * count);                                                \
-    row_state* states = malloc(sizeof(row_state) * count);                                               \
-    float* shared_scores = shared ? aligned_alloc(32, sizeof(float) * block * G * SEG) : 0;              \
-    if (!vectors || !stats || !states || (shared && !shared_scores)) {                                   \
-      free(vectors);                                                                                     \
-      free(stats);                                                                                       \
-      free(states);                                                                                      \
-      free(shared_scores);                                                                               \
-      return -1;                                                                                         \
-    }                                                                                                    \
+    const size_t vector_bytes = scratch_round(sizeof(v8f) * 2 * G * C * count);                          \
+    const size_t stat_bytes = scratch_round(sizeof(float) * 2 * G * count);                              \
+    const size_t state_bytes = scratch_round(sizeof(row_state) * count);                                 \
+    char* room = task_scratch(vector_bytes + stat_bytes + state_bytes                                    \
+                              + (shared ? scratch_round(sizeof(float) * block * G * SEG) : 0));          \
+    if (!room) return -1;                                                                                \
+    v8f* vectors = (v8f*)room;                                                                           \
+    float* stats = (float*)(room + vector_bytes);                                                        \
+    row_state* states = (row_state*)(room + vector_bytes + stat_bytes);                                  \
+    float* shared_scores = shared ? (float*)(room + vector_bytes + stat_bytes + state_bytes) : 0;        \
     for (int64_t i = 0; i < count; ++i) {                                                                \
       const T* qr = q + (rows[i] * H + h * G) * D;                                                       \
       v8f* qf = vectors + 2 * i * G * C;                                                                 \
@@ -613,10 +630,6 @@ static inline int64_t shared_block(int64_t G, int64_t count) {
       }                                                                                                  \
     }                                                                                                    \
     _Pragma("GCC diagnostic pop")                                                                        \
-    free(vectors);                                                                                       \
-    free(stats);                                                                                         \
-    free(states);                                                                                        \
-    free(shared_scores);                                                                                 \
     return 0;                                                                                            \
   }                                                                                                      \
 
