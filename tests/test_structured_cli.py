@@ -210,3 +210,19 @@ def test_row_fields_and_response_format_parse_to_specs():
         "json_schema": {"type": "object"}
     }
     assert response_format_fields({"type": "xml"}).startswith("response_format.type")
+
+
+def test_parquet_output_has_the_structured_column_from_rows_own_constraints(tiny_llama_dir, tmp_path):
+    """No job-wide flag: a row's own constraint still gives the Parquet file its structured column (the
+    unconstrained rows null there), so an incomplete row says so in Parquet as in JSON Lines."""
+    rows = [
+        {"id": "free", "prompt": "anything"},
+        {"id": "choice", "prompt": "yes or no?", "choice": ["yes", "no"]},
+        {"id": "cut", "prompt": "classify", "json_schema": SCHEMA, "max_tokens": 3},
+    ]
+    out = tmp_path / "out.parquet"
+    main(["generate", str(write_jsonl(tmp_path / "in.jsonl", rows)), str(out), *engine_args(tiny_llama_dir)])
+    table = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    assert table["free"]["structured"] is None
+    assert table["choice"]["structured"] == "complete" and table["choice"]["completion"] in ("yes", "no")
+    assert table["cut"]["finish_reason"] == "length" and table["cut"]["structured"] == "incomplete"

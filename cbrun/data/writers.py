@@ -18,6 +18,7 @@ and drops them as duplicates.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -124,6 +125,8 @@ def finalize_parquet(path: Path, journal: Path, fmt: CbrunFormat) -> None:
     import pyarrow.parquet as pq
 
     old = pq.ParquetFile(path) if path.exists() else None
+    if not fmt.structured and (_journal_has(journal, "structured") or (old and "structured" in old.schema_arrow.names)):
+        fmt = dataclasses.replace(fmt, structured=True)  # rows' own constraints: the column without a job-wide flag
     keep_types = _keep_types(journal, fmt.keep_columns, old)
     schema = fmt.arrow_schema({name: t for name, (t, _) in keep_types.items()})
     as_text = {name for name, (_, text) in keep_types.items() if text}
@@ -143,6 +146,14 @@ def finalize_parquet(path: Path, journal: Path, fmt: CbrunFormat) -> None:
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     journal.unlink(missing_ok=True)
+
+
+def _journal_has(journal: Path, column: str) -> bool:
+    """Whether any journal row has this column (rows are JSON objects, one per line)."""
+    if not journal.exists():
+        return False
+    with open(journal, "rb") as f:
+        return any(column in json.loads(line) for line in f if f'"{column}"'.encode() in line)
 
 
 def _journal_chunks(journal: Path) -> Iterator[list[dict]]:
