@@ -84,6 +84,7 @@ def gather(policy: str = "portable") -> dict:
             "built": True,
             "build": kernels.build_name,
             "linear_vector_lanes": kernels.vector_width,
+            "bf16_attention_scores": kernels.attend_dp_variant,  # vdpbf16ps's arithmetic: isa, twin or scalar
             "self_check_cache": str(cache_path()),
             "policy": policy,
         }
@@ -138,6 +139,11 @@ def info(
         return 0
     print(
         f"kernels    {built['build']} ({built['linear_vector_lanes']}-lane linear), policy {built['policy']}", file=out
+    )
+    scores = {"isa": "vdpbf16ps", "twin": "its portable twin", "scalar": "its plain-C reference"}
+    print(
+        f"{'':<11}bf16 attention scores: {scores[built['bf16_attention_scores']]} (checked at load; same bits)",
+        file=out,
     )
     for dtype, method in data["linear_methods"].items():
         name = method["method"] or "none passed"
