@@ -62,9 +62,9 @@ def plan_tasks(
                     singles.append((seq.first_row + i, visible))
                 else:
                     by_shared.setdefault(shared, []).append((seq.first_row + i, visible))
-        for shared, rows in by_shared.items():
-            for at in range(0, len(rows), max_rows):
-                part = rows[at : at + max_rows]
+        for shared, sharing in by_shared.items():
+            for at in range(0, len(sharing), max_rows):
+                part = sharing[at : at + max_rows]
                 tasks.append((sum(visible for _, visible in part), [row for row, _ in part], shared))
     tasks.extend((visible, [row], 0) for row, visible in singles)
     tasks.sort(key=lambda task: -task[0])  # long tasks first: dynamic scheduling then balances the tail

@@ -172,36 +172,37 @@ def _compile(compiler: str, sources: list[Path], target: Path, extra_flags: tupl
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
+# paged_attend_{f32,bf16}: q, k, v, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, R, S, H, D, H_kv, NB,
+# P, scale, task rows, task starts, task shared keys, tasks, threads (attention.c).
+_ATTEND_ARGS = [
+    _P,
+    _P,
+    _P,
+    _P,
+    _I64,
+    _P,
+    _P,
+    _P,
+    _P,
+    _P,
+    _I64,
+    _I64,
+    _I64,
+    _I64,
+    _I64,
+    _I64,
+    _I64,
+    _F32,
+    _P,
+    _P,
+    _P,
+    _I64,
+    _INT,
+]
+
 # Every exported function: (restype, argtypes), declared once when the library is loaded.
 _SIGNATURES = {
-    "paged_attend_f32": (
-        _INT,
-        [
-            _P,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _F32,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _INT,
-        ],
-    ),
+    "paged_attend_f32": (_INT, _ATTEND_ARGS),
     "paged_attend_max_gd": (_I64, []),
     "paged_attend_segment": (_I64, []),
     "paged_write": (None, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64]),
@@ -222,7 +223,7 @@ _SIGNATURES = {
     "apply_token_masks": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _INT]),
 }
 _SIGNATURES["paged_attend_bf16"] = _SIGNATURES["paged_attend_f32"]
-_SIGNATURES["paged_attend_bf16dp"] = (_INT, [*_SIGNATURES["paged_attend_f32"][1], _INT])
+_SIGNATURES["paged_attend_bf16dp"] = (_INT, [*_ATTEND_ARGS, _INT])  # + the score variant
 _SIGNATURES["attend_dp_scores"] = (_INT, [_INT, _P, _P, _I64, _I64, _I64, _F32, _P])
 _SIGNATURES["dpa_variant_runs"] = (_INT, [_INT])
 # Variants of a bf16 pair-dot kernel (dp_pairs.h): the plain-C reference, the portable twin, vdpbf16ps.
