@@ -42,6 +42,12 @@ class BadRow:
     keep: dict = field(default_factory=dict)
     meta: dict | None = None
 
+    @classmethod
+    def from_spec(cls, spec: RowSpec, reason: str) -> BadRow:
+        """A parsed row found bad later (at tokenization or a length check): the message names its place
+        as parsing would, and the row keeps its kept columns and format extras for its error row."""
+        return cls(spec.index, spec.id, f"{spec.where}: {reason}", spec.keep, spec.meta)
+
 
 @dataclass
 class RowSpec:
@@ -114,7 +120,7 @@ class RowPreparer:
             return BadRow(raw.index, str(raw.index), f"{where}: {raw.error}", meta=meta)
         keep = {name: record.get(name) for name in self.keep_columns}
 
-        row_id, id_error = _row_id(record, raw.index)
+        row_id, id_error = record_id(record, raw.index)
 
         def bad(reason: str) -> BadRow:
             return BadRow(raw.index, row_id, f"{where}: {reason}", keep, meta)
@@ -212,39 +218,39 @@ class RowPreparer:
 
     def _render_chat(self, spec: RowSpec) -> str | BadRow:
         if not getattr(self.tokenizer, "chat_template", None):
-            return _bad_from(spec, f"{spec.field}: the model's tokenizer has no chat template")
+            return BadRow.from_spec(spec, f"{spec.field}: the model's tokenizer has no chat template")
         try:
             return self.tokenizer.apply_chat_template(spec.value, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors, missing keys: the row is bad, the job goes on
-            return _bad_from(spec, f"{spec.field}: chat template failed: {exc}")
+            return BadRow.from_spec(spec, f"{spec.field}: chat template failed: {exc}")
 
     def _check(self, spec: SpecT) -> SpecT | BadRow:
         ids = spec.token_ids or []
         spec.num_prompt_tokens = len(ids)
         if not ids:
-            return _bad_from(spec, f"{spec.field}: empty prompt (no tokens)")
+            return BadRow.from_spec(spec, f"{spec.field}: empty prompt (no tokens)")
         max_tokens = spec.sampling.max_tokens
         if len(ids) + max_tokens > self.max_context:
-            return _bad_from(
+            return BadRow.from_spec(
                 spec,
                 f"{spec.field}: prompt of {len(ids)} tokens plus max_tokens {max_tokens} "
                 f"exceeds the model's context of {self.max_context} tokens",
             )
         if spec.kind == "ids" and not (min(ids) >= 0 and max(ids) < self.vocab_size):
             pos, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-            return _bad_from(
+            return BadRow.from_spec(
                 spec,
                 f"{spec.field}: token id {token} at position {pos} is outside the vocabulary [0, {self.vocab_size})",
             )
         return spec
 
 
-def _bad_from(spec: RowSpec, reason: str) -> BadRow:
-    return BadRow(spec.index, spec.id, f"{spec.where}: {reason}", spec.keep, spec.meta)
+def record_id(record: dict, index: int) -> tuple[str, str | None]:
+    """The row's id as a string (id, else custom_id, else the row number) and an error, if any.
 
-
-def _row_id(record: dict, index: int) -> tuple[str, str | None]:
-    """The row's id as a string (id, else custom_id, else the row number) and an error, if any."""
+    The one rule for the output's id column: the generate and score preparers and the shard split (which
+    must send all rows of an id to one shard) read ids through it.
+    """
     for name in ID_FIELDS:
         value = record.get(name)
         if value is None:

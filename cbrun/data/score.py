@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cbrun.data.prompts import BadRow, RowPreparer, RowSpec, SpecT, _bad_from, _row_id
+from cbrun.data.prompts import BadRow, RowPreparer, RowSpec, SpecT, record_id
 from cbrun.data.reader import RawRow
 from cbrun.data.resume import ResumeState
 from cbrun.data.schema import STOPPED_MARKER, RowKey, bad_row_number, engine_error
@@ -107,7 +107,7 @@ class ScorePreparer(RowPreparer):
         if record is None:
             return BadRow(raw.index, str(raw.index), f"{where}: {raw.error}")
         keep = {name: record.get(name) for name in self.keep_columns}
-        row_id, id_error = _row_id(record, raw.index)
+        row_id, id_error = record_id(record, raw.index)
         sample = _sample_of(record)
         meta = {"sample": sample if isinstance(sample, int) else 0}  # the error row's sample
 
@@ -180,15 +180,15 @@ class ScorePreparer(RowPreparer):
         for index, ids in enumerate(spec.completion_ids):
             name = f"{spec.completion_field}[{index}]" if multi else spec.completion_field
             if not ids:
-                return _bad_from(spec, f"{name}: empty completion (no tokens)")
+                return BadRow.from_spec(spec, f"{name}: empty completion (no tokens)")
             if not (min(ids) >= 0 and max(ids) < self.vocab_size):
                 pos, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-                return _bad_from(
+                return BadRow.from_spec(
                     spec, f"{name}: token id {token} at position {pos} is outside the vocabulary [0, {self.vocab_size})"
                 )
             total = spec.num_prompt_tokens + len(ids)
             if total > self.max_context:
-                return _bad_from(
+                return BadRow.from_spec(
                     spec,
                     f"{name}: prompt ({spec.num_prompt_tokens} tokens) plus completion "
                     f"({len(ids)} tokens) exceed the model's context of {self.max_context} tokens",

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cbrun.data.prompts import _row_id  # the id rule of the output's id column, shared on purpose
+from cbrun.data.prompts import record_id
 from cbrun.data.reader import RawRow
 
 SHARD_PLACEHOLDER = "{shard"  # `{shard}` or a format spec such as `{shard:05d}` in OUTPUT
@@ -179,7 +179,7 @@ def select_rows(rows: Iterable[RawRow], shard: Shard) -> Iterator[RawRow]:
 
 def row_id_of(raw: RawRow) -> str:
     """The id the output row will carry: id, else custom_id, else the row number (also for unparseable rows)."""
-    return str(raw.index) if raw.record is None else _row_id(raw.record, raw.index)[0]
+    return str(raw.index) if raw.record is None else record_id(raw.record, raw.index)[0]
 
 
 def shard_output(spec: str, shard: Shard) -> tuple[str, bool]:
