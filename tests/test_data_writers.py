@@ -66,8 +66,8 @@ def test_resume_cuts_a_partial_last_line_and_collects_done_samples(tmp_path):
     state = load_resume_state(path, "jsonl", FMT.classify)
     assert path.read_bytes() == body
     assert state.done == {("0", 0), ("1", 1), ("2", 0)}
-    assert state.missing_samples("1", 3) == [0, 2]
-    assert state.missing_samples("3", 1) == [0]
+    assert state.missing_samples("1", range(3)) == [0, 2]
+    assert state.missing_samples("3", range(1)) == [0]
 
 
 def test_resume_drops_killed_and_duplicate_lines_and_keys_bad_rows_by_number(tmp_path):

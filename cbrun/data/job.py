@@ -93,8 +93,8 @@ class GenerateRows:
     keep_prompt_ids: bool = False  # the output format writes the prompt's token ids
 
     def pending_samples(self, spec: RowSpec, resume: ResumeState | None) -> list[int]:
-        n = spec.sampling.n
-        return resume.missing_samples(spec.id, n) if resume is not None else list(range(n))
+        samples = range(spec.sampling.n)
+        return resume.missing_samples(spec.id, samples) if resume is not None else list(samples)
 
     def sort_key(self, spec: RowSpec) -> tuple[list[int], list[list[int]]]:
         return spec.token_ids or [], []  # all set once tokenized

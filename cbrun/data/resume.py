@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,11 +63,15 @@ class ResumeState:
     def failed_rows(self) -> int:
         return len(self.bad_rows) + len(self.failed_ids)
 
-    def missing_samples(self, row_id: str, n: int) -> list[int]:
-        """The samples of a row still to generate."""
+    def missing_samples(self, row_id: str, samples: Iterable[int]) -> list[int]:
+        """Those of a row's `samples` not written yet (none when the id was written whole, as OpenAI rows are).
+
+        The one resume filter of every row kind: generated rows ask for samples 0..n-1, score rows
+        for the samples their completions are.
+        """
         if row_id in self.done_ids:
             return []
-        return [s for s in range(n) if (row_id, s) not in self.done]
+        return [s for s in samples if (row_id, s) not in self.done]
 
     def has_bad_row(self, index: int) -> bool:
         return index in self.bad_rows

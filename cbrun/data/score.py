@@ -343,8 +343,7 @@ class ScoreRows:
     top_logprobs: int = 0
 
     def pending_samples(self, spec: ScoreRowSpec, resume: ResumeState | None) -> list[int]:
-        done = resume.done if resume is not None else set()
-        return [s for s in spec.samples if (spec.id, s) not in done]
+        return resume.missing_samples(spec.id, spec.samples) if resume is not None else list(spec.samples)
 
     def sort_key(self, spec: ScoreRowSpec) -> tuple[list[int], list[list[int]]]:
         return spec.token_ids or [], spec.completion_ids or []  # shared prompts adjacent (tokenized: both set)
