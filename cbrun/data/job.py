@@ -1,6 +1,6 @@
 """The generate job: input rows -> engine -> output rows, with bounded memory.
 
-    reader thread --(bounded queue)--> parse, resume check, tokenize
+    reader thread (RowPrefetcher) --(bounded queue)--> parse, resume check, tokenize
         --(sorted by prompt token ids)--> engine.add_request
     engine.get_result --> format --> writer (completion order)
 
@@ -23,16 +23,15 @@ job's `OutputFormat`.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from cbrun.data.openai_batch import OpenAIFormat
+from cbrun.data.prefetch import RowPrefetcher
 from cbrun.data.prompts import BadRow, RowPreparer, RowSpec
-from cbrun.data.reader import InputError, RawRow
+from cbrun.data.reader import RawRow
 from cbrun.data.resume import ResumeState
 from cbrun.data.schema import is_killed
 from cbrun.engine.request import GenerationOutput
@@ -200,7 +199,7 @@ class GenerateJob:
         self._stop_level = max(self._stop_level, 2 if hard else 1)
 
     def run(self) -> JobProgress:
-        reader = _Prefetch(self.rows, maxsize=min(self.window, PREFETCH_ROWS))
+        reader = RowPrefetcher(self.rows, maxsize=min(self.window, PREFETCH_ROWS))
         try:
             while True:
                 if self._stop_level >= 2:
@@ -336,60 +335,3 @@ class GenerateJob:
             if out is None:
                 break
             self._on_result(out)
-
-
-_END = object()
-
-
-class _Prefetch:
-    """Reads input rows on a thread into a bounded queue.
-
-    A slow producer (stdin in a pipeline) then never delays writing results,
-    and rows are submitted as soon as they arrive.
-    """
-
-    def __init__(self, rows: Iterable[RawRow], maxsize: int):
-        self._queue: queue.Queue = queue.Queue(maxsize=maxsize)
-        self._closed = threading.Event()
-        self.exhausted = False
-        self._thread = threading.Thread(target=self._run, args=(iter(rows),), name="cbrun-reader", daemon=True)
-        self._thread.start()
-
-    def _run(self, rows: Iterator[RawRow]) -> None:
-        try:
-            for row in rows:
-                if not self._put(row):
-                    return
-        except Exception as exc:  # an I/O error mid-input: reported by take()
-            self._put(exc)
-            return
-        self._put(_END)
-
-    def _put(self, item: object) -> bool:
-        while not self._closed.is_set():
-            try:
-                self._queue.put(item, timeout=POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def take(self, limit: int, timeout: float) -> list[RawRow]:
-        """Up to `limit` rows: waits up to `timeout` for the first, then takes what is ready."""
-        rows: list[RawRow] = []
-        while len(rows) < limit and not self.exhausted:
-            try:
-                item = self._queue.get(timeout=timeout) if not rows and timeout > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is _END:
-                self.exhausted = True
-            elif isinstance(item, Exception):
-                self.exhausted = True
-                raise InputError(f"reading input failed: {item}") from item
-            else:
-                rows.append(item)
-        return rows
-
-    def close(self) -> None:
-        self._closed.set()
