@@ -16,10 +16,13 @@ import pytest
 from test_cli_generate import write_jsonl
 
 from cbrun.cli.app import main
+from cbrun.cli.generate_options import GenerateOptions
+from cbrun.cli.ray_run import generator_args
 from cbrun.data.reader import RawRow
 from cbrun.data.schema import CbrunFormat
+from cbrun.engine import EngineConfig, SamplingParams, StructuredSpec
 from cbrun.scale.ray_data import ERROR, LINE, RECORD, ROW, CbrunGenerator, raw_rows
-from cbrun.scale.ray_job import raw_blocks
+from cbrun.scale.ray_job import raw_blocks, rows_carry_constraints
 
 ROWS = [
     {"id": "fox", "prompt": "the quick brown fox"},
@@ -148,3 +151,28 @@ def test_kept_columns_of_mixed_types_become_json_text(tiny_llama_dir):
     )
     assert table.schema.field("meta").type == pa.string()
     assert sorted(r["meta"] for r in table.to_pylist()) == sorted([json.dumps({"k": 1}), "text"])
+
+
+def test_a_job_wide_constraint_and_a_rows_own_both_give_the_structured_column(tiny_llama_dir):
+    """Ray blocks share one schema, so the structured column is decided per job (issue 26): on with a
+    job-wide constraint (the sampling's own turns it on), and on when any input row carries its own; with
+    actors built as `cbrun generate --ray` builds them, a block without constrained rows has the column too."""
+    opts, engine = GenerateOptions(model=str(tiny_llama_dir)), EngineConfig(**ENGINE)
+    with_column = CbrunFormat(structured=True).arrow_schema()
+    free = [{"id": "free", "prompt": "anything", "choice": None}]
+
+    job_wide = SamplingParams(**SAMPLING, structured=StructuredSpec("choice", ("yes", "no")))
+    generator = CbrunGenerator(**generator_args(opts, job_wide, engine, (), structured=False))
+    table = generator(table_of([{"id": "a", "prompt": "yes or no?"}, {"id": "b", "prompt": "the quick brown fox"}]))
+    assert table.schema == with_column
+    assert all(r["structured"] == "complete" and r["completion"] in ("yes", "no") for r in table.to_pylist())
+
+    raws = [RawRow(0, {"id": "own", "prompt": "yes or no?", "choice": ["yes", "no"]}), RawRow(1, free[0])]
+    assert rows_carry_constraints(raws) and not rows_carry_constraints(raws[1:])
+    structured = rows_carry_constraints(raws)
+    generator = CbrunGenerator(**generator_args(opts, SamplingParams(**SAMPLING), engine, (), structured=structured))
+    (block,) = raw_blocks(raws, block_rows=10)
+    rows = {r["id"]: r for r in generator(block).to_pylist()}
+    assert rows["own"]["structured"] == "complete" and rows["own"]["completion"] in ("yes", "no")
+    assert rows["free"]["structured"] is None and rows["free"]["error"] is None
+    assert generator(block).schema == generator(table_of(free)).schema == with_column

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
+from typing import TYPE_CHECKING
 
 from cbrun.cli.common import EXIT_OK, EXIT_ROWS_FAILED, CliError
 from cbrun.cli.generate_options import GenerateOptions, OutputFormat
 from cbrun.cli.output_target import OutputTarget
 from cbrun.cli.run import claim_stdout
+
+if TYPE_CHECKING:
+    from cbrun.engine.config import EngineConfig, SamplingParams
 
 
 def check_ray_options(opts: GenerateOptions) -> None:
@@ -39,26 +43,16 @@ def run_ray(opts: GenerateOptions, target: OutputTarget, source, fmt, sampling, 
         RayJobError,
         RayProgress,
         default_cpus,
+        rows_carry_constraints,
         run_ray_job,
         start_ray,
         summary,
     )
 
     target.check_existing(False, opts.overwrite)
-    generator = dict(
-        model=opts.model,
-        sampling={k: v for k, v in asdict(sampling).items() if k != "top_logprobs"},
-        engine=asdict(engine_config),
-        dtype=opts.dtype.value,
-        device=opts.device.value,
-        logprobs=opts.logprobs,
-        top_logprobs=opts.top_logprobs,
-        prompt_token_ids=opts.prompt_token_ids,
-        keep_columns=keep,
-        prompt_column=opts.prompt_column,
-        chat=opts.chat,
-        revision=opts.revision,
-    )
+    rows = list(source)  # the whole input goes to Ray's object store before the job starts
+    structured = fmt.structured or rows_carry_constraints(rows)
+    generator = generator_args(opts, sampling, engine_config, keep, structured=structured)
     cpus = opts.cpus_per_replica or default_cpus(opts.threads_per_replica, opts.replicas, opts.ray_address is None)
     progress = RayProgress()
     with claim_stdout(target.kind == "stdout") as data_stream:
@@ -67,7 +61,7 @@ def run_ray(opts: GenerateOptions, target: OutputTarget, source, fmt, sampling, 
             start_ray(opts.ray_address, opts.threads_per_replica, opts.quiet)
             with contextlib.nullcontext() if opts.quiet else ProgressLines(progress):
                 run_ray_job(
-                    source,
+                    rows,
                     write_block,
                     progress,
                     generator=generator,
@@ -90,6 +84,36 @@ def run_ray(opts: GenerateOptions, target: OutputTarget, source, fmt, sampling, 
         )
         return EXIT_ROWS_FAILED
     return EXIT_OK
+
+
+def generator_args(
+    opts: GenerateOptions,
+    sampling: SamplingParams,
+    engine_config: EngineConfig,
+    keep: tuple[str, ...],
+    *,
+    structured: bool,
+) -> dict:
+    """The keyword arguments of each actor's `CbrunGenerator`: the job's model, sampling, engine and columns.
+
+    structured: every row gets the structured column (a job-wide constraint, or rows with their own).
+    """
+    return dict(
+        model=opts.model,
+        # fields as they are: asdict would turn a job-wide StructuredSpec into a dict SamplingParams refuses
+        sampling={f.name: getattr(sampling, f.name) for f in fields(sampling) if f.name != "top_logprobs"},
+        engine=asdict(engine_config),
+        dtype=opts.dtype.value,
+        device=opts.device.value,
+        logprobs=opts.logprobs,
+        top_logprobs=opts.top_logprobs,
+        prompt_token_ids=opts.prompt_token_ids,
+        keep_columns=keep,
+        prompt_column=opts.prompt_column,
+        chat=opts.chat,
+        revision=opts.revision,
+        structured=structured,
+    )
 
 
 def _ray_output(target: OutputTarget, fmt, data_stream):

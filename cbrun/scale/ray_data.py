@@ -48,6 +48,10 @@ class CbrunGenerator:
     threads: torch / OpenMP threads of this actor's engine; set it to the CPUs the actor reserves,
         or every actor starts one thread per core and they fight over them.
     logprobs, top_logprobs, prompt_token_ids, keep_columns, prompt_column, chat, revision: as the CLI flags.
+    structured: every result row gets the `structured` column (complete / incomplete, null for a row
+        without a constraint). Ray blocks must share one schema, so it is decided for the whole job:
+        pass True when rows carry their own constraint columns (json_schema, regex, choice, grammar,
+        json_object); a job-wide constraint (`sampling["structured"]`) turns it on by itself.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class CbrunGenerator:
         prompt_column: str | None = None,
         chat: bool = False,
         revision: str | None = None,
+        structured: bool = False,
     ):
         import torch
 
@@ -85,6 +90,7 @@ class CbrunGenerator:
             top_logprobs=self.sampling.top_logprobs > 0,
             prompt_token_ids=prompt_token_ids,
             keep_columns=tuple(keep_columns),
+            structured=structured or self.sampling.structured is not None,
         )
         self._preparer_options = dict(prompt_column=prompt_column, chat=chat, keep_columns=tuple(keep_columns))
 

@@ -26,10 +26,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cbrun.data.constraints import row_constraint
 from cbrun.data.reader import RawRow
 from cbrun.scale.ray_data import ERROR, LINE, RECORD, ROW, CbrunGenerator
 
@@ -95,6 +96,15 @@ def raw_blocks(rows: Iterable[RawRow], block_rows: int) -> Iterator:
         yield table()
 
 
+def rows_carry_constraints(rows: Iterable[RawRow]) -> bool:
+    """Whether any row has its own structured-output constraint (a valid one or not).
+
+    The driver holds every row before the job starts, and Ray blocks must share one schema, so
+    this decides the `structured` column for the whole job (`CbrunGenerator(structured=...)`).
+    """
+    return any(raw.record is not None and row_constraint(raw.record) is not None for raw in rows)
+
+
 def block_size(total: int, replicas: int, window: int) -> int:
     """Rows per block: BLOCKS_PER_REPLICA blocks per replica, at most `window` rows (memory, retry cost)."""
     return max(1, min(window, math.ceil(total / (replicas * BLOCKS_PER_REPLICA))))
@@ -143,7 +153,7 @@ def start_ray(address: str | None, threads: int, quiet: bool) -> None:
 
 
 def run_ray_job(
-    rows: Iterable[RawRow],
+    rows: Sequence[RawRow],
     write_block,
     progress: RayProgress,
     *,
@@ -154,11 +164,11 @@ def run_ray_job(
     window: int,
     udf: type = CbrunGenerator,
 ) -> None:
-    """Run every row through `replicas` actors of `udf` (CbrunGenerator or a subclass of it, which gets
-    `generator` as keyword arguments); `write_block(table)` each result block as it arrives."""
+    """Run every row (the whole input, read by the caller) through `replicas` actors of `udf` (CbrunGenerator
+    or a subclass of it, which gets `generator` as keyword arguments); `write_block(table)` each result block
+    as it arrives."""
     import ray
 
-    rows = list(rows)
     progress.rows_total, progress.replicas = len(rows), replicas
     if not rows:
         return
