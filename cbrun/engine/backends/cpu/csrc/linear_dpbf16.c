@@ -41,7 +41,15 @@
 
 #define DP_BLOCK 32            /* outputs per packed block */
 #define DP_ROWS 8              /* rows of x per step */
+#ifndef DP_CHUNK_BYTES
 #define DP_CHUNK_BYTES (256 << 10) /* packed x per row chunk: stays in L2 while the weight blocks pass */
+#endif
+#ifndef DP_MIN_CHUNK
+/* rows per chunk at least: with a large K (6144: 16 rows fill 256 KiB) the weights, which stream from memory
+ * once per chunk, cost more than x falling out of L2 (docs/performance.md, round 12). The order of every
+ * output's chain does not depend on the chunking. */
+#define DP_MIN_CHUNK 128
+#endif
 #define DP_BAD_ARGS (-1)
 #define DP_NO_VARIANT (-3)
 
@@ -297,7 +305,7 @@ int dp_linear(const void* x, int64_t ldx, int x_bf16, const uint16_t* packed, in
   const int64_t Kp = (K + 1) / 2 * 2;
   const int64_t blocks = (N + (gated ? DP_BLOCK / 2 : DP_BLOCK) - 1) / (gated ? DP_BLOCK / 2 : DP_BLOCK);
   int64_t chunk = DP_CHUNK_BYTES / (Kp * 2);
-  chunk = chunk < DP_ROWS ? DP_ROWS : chunk - chunk % DP_ROWS;
+  chunk = chunk < DP_MIN_CHUNK ? DP_MIN_CHUNK : chunk - chunk % DP_ROWS;
   const dp_target target = {bias, up_bias, gated, y_bf16, y, ldy, N};
   _Pragma("omp parallel num_threads(threads)") {
     const unsigned mode = dp_flush_on();
