@@ -125,7 +125,11 @@ def finalize_parquet(path: Path, journal: Path, fmt: CbrunFormat) -> None:
     import pyarrow.parquet as pq
 
     old = pq.ParquetFile(path) if path.exists() else None
-    if not fmt.structured and (_journal_has(journal, "structured") or (old and "structured" in old.schema_arrow.names)):
+    if (
+        isinstance(fmt, CbrunFormat)  # score rows have no structured column
+        and not fmt.structured
+        and (_journal_has(journal, "structured") or (old and "structured" in old.schema_arrow.names))
+    ):
         fmt = dataclasses.replace(fmt, structured=True)  # rows' own constraints: the column without a job-wide flag
     keep_types = _keep_types(journal, fmt.keep_columns, old)
     schema = fmt.arrow_schema({name: t for name, (t, _) in keep_types.items()})
