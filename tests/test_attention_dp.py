@@ -162,6 +162,7 @@ torch.save(t.attention_through("twin"), {out!r})
 """
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 @pytest.mark.skipif("avx512f" not in cpu_flags().split(), reason="this CPU runs the AVX2 build: the tests above")
 def test_an_avx2_builds_twin_gives_this_builds_bits(tmp_path):
     """The kernels built for AVX2 (8-lane twin vectors) compute the attention of the native build's twin and

@@ -33,6 +33,7 @@ def test_every_example_row_is_valid(name):
         assert not isinstance(prepared, BadRow), prepared.message
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_rl_rollout_script_gives_distinct_seeded_samples_with_logprobs(tiny_llama_dir, tmp_path):
     out = tmp_path / "rollouts.parquet"
     env = {**cli_env(), "MODEL": str(tiny_llama_dir), "OUT": str(out), "PYTHON": sys.executable}

@@ -118,6 +118,7 @@ def test_saved_hf_dataset_input(tiny_llama_dir, tmp_path, reference):
     same_completions(read_jsonl(tmp_path / "out.jsonl"), reference)
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_stdin_to_stdout_writes_only_json_lines_on_stdout(tiny_llama_dir, tmp_path, reference):
     data = "".join(json.dumps(r) + "\n" for r in PROMPTS).encode()
     proc = subprocess.run(

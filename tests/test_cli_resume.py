@@ -134,6 +134,7 @@ def resume(model_dir, source: Path, out: Path, capsys) -> int:
     return int(match.group(1).replace(",", "")) if match else 0
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_sigkill_then_resume_completes_the_job_exactly(tiny_llama_dir, tmp_path, capsys, uninterrupted, suffix):
     source = write_jsonl(tmp_path / "in.jsonl", prompts())
@@ -155,6 +156,7 @@ def test_sigkill_then_resume_completes_the_job_exactly(tiny_llama_dir, tmp_path,
     assert not journal_path(out).exists()
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_ctrl_c_finishes_rows_in_flight_then_resume_completes(tiny_llama_dir, tmp_path, capsys, uninterrupted):
     source = write_jsonl(tmp_path / "in.jsonl", prompts())
     out = tmp_path / "out.jsonl"
@@ -169,6 +171,7 @@ def test_ctrl_c_finishes_rows_in_flight_then_resume_completes(tiny_llama_dir, tm
     assert_same_as_uninterrupted(read_jsonl(out), uninterrupted)
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_second_ctrl_c_stops_at_once_and_leaves_a_valid_parquet(tiny_llama_dir, tmp_path, capsys, uninterrupted):
     source = write_jsonl(tmp_path / "in.jsonl", prompts())
     out = tmp_path / "out.parquet"

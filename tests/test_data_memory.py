@@ -17,6 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROWS = 100_000
 PROMPT_TOKENS = 250
 
@@ -58,6 +60,7 @@ def write_input(path: Path) -> None:
             f.write(f'{{"id": "row-{i}", "input_ids": [{variants[i % 256]}]}}\n')
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_a_100k_row_input_is_streamed_in_bounded_memory(tmp_path):
     source = tmp_path / "in.jsonl"
     write_input(source)

@@ -196,6 +196,7 @@ print("RESULT " + json.dumps(results))
 """
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the CPU engine does not need it)")
 def test_triton_backend_under_interpreter_matches_torch(tiny_llama_dir, tiny_qwen3_dir):
     """backend="triton" on CPU under TRITON_INTERPRET=1 (one child process) gives the torch backend's and

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -28,6 +30,7 @@ def run_rl_loop(*args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_rl_loop_example_updates_in_place_and_equals_a_fresh_engine_on_a_tiny_model():
     out = run_rl_loop("--iterations", "2", "--max-tokens", "8")
     assert out.count("engine vs trainer logprobs") == 2
@@ -39,6 +42,7 @@ def test_rl_loop_example_on_the_real_model(smollm2_gguf):
     assert "equal a fresh engine's bit for bit" in out
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_shell_pipeline_generate_then_reward(tiny_llama_dir):
     generate = [
         sys.executable,

@@ -94,6 +94,7 @@ def assert_same_rows(rows: list[dict], expected: dict) -> None:
         assert row["logprobs"] == want["logprobs"], row["id"]
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_two_replicas_give_the_rows_of_one_process(local_cluster, tiny_llama_dir, single_process, tmp_path):
     source, expected = single_process
     out = tmp_path / "ray.parquet"
@@ -122,6 +123,7 @@ class CrashOnce(CbrunGenerator):
         os._exit(1)  # as a killed node would: no exception, no cleanup
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_a_replica_killed_mid_batch_is_retried_and_no_row_is_lost_or_doubled(
     local_cluster, tiny_llama_dir, single_process, tmp_path
 ):

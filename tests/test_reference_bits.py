@@ -91,6 +91,7 @@ ref._check("tiny-llama/" + {dtype!r}, *load_model({model!r}, dtype={dtype!r}, de
 """
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 @pytest.mark.skipif("avx512f" not in cpu_flags().split(), reason="this CPU runs the AVX2 build: the tests above")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_avx2_build_on_this_cpu_gives_the_reference_bits(tiny_llama_dir, dtype, tmp_path):

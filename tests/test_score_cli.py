@@ -219,6 +219,7 @@ def resume_args(model_dir, *extra) -> list[str]:
     return ["-m", str(model_dir), "--num-blocks", "256", "--page-size", "16", "--max-batch-tokens", "32", *extra]
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_sigkill_then_resume_scores_every_completion_once(tiny_llama_dir, tmp_path, capsys):
     source = write_jsonl(tmp_path / "in.jsonl", resume_rows())
     whole = tmp_path / "whole.jsonl"

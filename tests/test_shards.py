@@ -257,6 +257,7 @@ def test_bad_shard_options_are_refused_before_any_work(tiny_llama_dir, tmp_path,
     assert not (tmp_path / "o.jsonl").exists()
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_a_killed_shard_resumes_alone_with_no_duplicates_or_gaps(tiny_llama_dir, tmp_path, capsys):
     rows = [{"id": f"k{i}", "prompt": "the quick brown fox " * (1 + i % 3)} for i in range(60)]
     source = write_jsonl(tmp_path / "in.jsonl", rows)

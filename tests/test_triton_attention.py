@@ -242,6 +242,7 @@ def test_kernel_row_without_keys_is_zero():
     assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 @needs_triton
 @pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
 def test_interpreter_subprocess():
@@ -254,6 +255,7 @@ def test_interpreter_subprocess():
     assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
 
 
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 def test_imports_without_triton():
     """The CPU engine may import this module where triton is absent: import works, the kernel says why not."""
     script = """
