@@ -129,7 +129,8 @@ def test_linear_kernel_matches_f_linear(rows, out_features, in_features, with_bi
 
 
 def test_kernel_linears_install_and_uninstall():
-    from cbrun.engine.backends.cpu.linear import install_linear_methods, uninstall
+    from cbrun.engine.backends.cpu.held_weights import HeldWeights
+    from cbrun.engine.backends.cpu.linear import install_linear_methods
     from cbrun.engine.backends.cpu.linear_methods import F32
 
     torch.manual_seed(6)
@@ -137,12 +138,13 @@ def test_kernel_linears_install_and_uninstall():
     small, large = torch.randn(1, 5, 16), torch.randn(1, 300, 16)
     with torch.no_grad():
         expected_small, expected_large = decoder(small), decoder(large)
-        patched = list(install_linear_methods(decoder, kernels, {torch.float32: F32}))
+        held = HeldWeights(decoder)
+        patched = list(install_linear_methods(decoder, kernels, {torch.float32: F32}, held))
         assert len(patched) == 2 and all("forward" in m.__dict__ for m in patched)
         assert torch.allclose(decoder(small), expected_small, atol=1e-5)
         assert torch.allclose(decoder(large), expected_large, atol=1e-5)
         assert torch.equal(decoder(large)[:, :5], decoder(large[:, :5]))  # rows alone = rows in a crowd
-        uninstall(patched)
+        held.restore()
     assert not any("forward" in m.__dict__ for m in patched)
 
 

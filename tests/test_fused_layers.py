@@ -115,7 +115,8 @@ def _load(directory, dtype="float32"):
 def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, dtype, request):
     """fp32: the stock function up to summation order. bf16: up to where it rounds (the stock forward rounds
     after every op, the fused one keeps the residual stream and the norms in fp32 within a layer)."""
-    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers, uninstall
+    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
+    from cbrun.engine.backends.cpu.held_weights import HeldWeights
     from cbrun.engine.backends.cpu.linear_methods import DP_TWIN
 
     model = _load(request.getfixturevalue(fixture), dtype)
@@ -126,8 +127,9 @@ def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, dt
     with torch.inference_mode():
         inputs = [torch.randint(3, 500, (1, n)) for n in (4, 265)]
         expected = [model(ids, use_cache=False).logits for ids in inputs]
-        installed = install_fused_layers(model, spy, method)
-        assert installed == list(model.model.layers)
+        held = HeldWeights(model)
+        installed = install_fused_layers(model, spy, method, held)
+        assert [plan.layer for plan in installed] == list(model.model.layers)
         assert model.config._attn_implementation == "sdpa"  # the probe puts it back
         for ids, reference in zip(inputs, expected):
             spy.calls.clear()
@@ -136,27 +138,29 @@ def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, dt
             scale = reference.float().abs().max().item()
             assert torch.allclose(logits.float(), reference.float(), atol=tolerance * scale, rtol=tolerance)
             assert spy.calls["rope"] == len(installed)  # the fused forward ran in every layer
-        uninstall(installed)
+        held.restore()
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
 
 
 def test_layers_of_another_shape_are_left_alone(tiny_gemma_hybrid_dir):
     """Gemma3's layers have extra norms and a (1 + w) RMSNorm: not fused."""
     from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
+    from cbrun.engine.backends.cpu.held_weights import HeldWeights
 
     model = _load(tiny_gemma_hybrid_dir)
-    assert install_fused_layers(model, kernels, F32) == []
+    assert install_fused_layers(model, kernels, F32, HeldWeights(model)) == []
 
 
 def test_a_layer_that_computes_something_else_fails_its_probe(tiny_llama_dir):
     """Same structure, different function (a norm with another formula): that layer keeps its forward."""
     from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
+    from cbrun.engine.backends.cpu.held_weights import HeldWeights
 
     model = _load(tiny_llama_dir)
     odd = model.model.layers[1].post_attention_layernorm
     odd.forward = lambda hidden: odd.weight * hidden  # no normalization
-    installed = install_fused_layers(model, kernels, F32)
-    assert installed == [model.model.layers[0]]
+    installed = install_fused_layers(model, kernels, F32, HeldWeights(model))
+    assert [plan.layer for plan in installed] == [model.model.layers[0]]
     assert "forward" not in model.model.layers[1].__dict__
 
 
@@ -170,6 +174,7 @@ def test_silu_mul_matches_torch():
 def test_a_model_that_cannot_switch_to_sdpa_is_not_fused(tiny_llama_dir, monkeypatch):
     """The probe needs SDPA; without it the layers keep their stock forward and nothing fails."""
     from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
+    from cbrun.engine.backends.cpu.held_weights import HeldWeights
 
     model = _load(tiny_llama_dir)
     original = model.set_attn_implementation
@@ -181,6 +186,6 @@ def test_a_model_that_cannot_switch_to_sdpa_is_not_fused(tiny_llama_dir, monkeyp
 
     monkeypatch.setattr(model, "set_attn_implementation", no_sdpa)
     before = model.config._attn_implementation
-    assert install_fused_layers(model, kernels, F32) == []
+    assert install_fused_layers(model, kernels, F32, HeldWeights(model)) == []
     assert model.config._attn_implementation == before
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)

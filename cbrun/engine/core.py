@@ -37,7 +37,7 @@ from cbrun.engine.step.attention import register as register_attention
 from cbrun.engine.step.batch import BatchBuilder, PagedBatch
 from cbrun.engine.step.model_runner import ModelRunner, StepLogits
 from cbrun.engine.step.scoring import ScoredRows
-from cbrun.engine.weights import StashTarget, WeightStash, give_back_memory, load_into
+from cbrun.engine.weights import StashTarget, WeightStash, give_back_memory
 
 log = logging.getLogger("cbrun.engine")
 
@@ -350,20 +350,17 @@ class EngineCore:
     def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Copy new weights (name -> tensor) into the model; returns how many. Idle engines only.
 
-        The backend is closed and installed again around the copy so that what
-        it derived from the weights is rebuilt, and the prefix cache is dropped:
-        its pages hold K/V of the old weights.
+        The backend writes them wherever it keeps the weights (the CPU backend
+        packs only the members named, in place, into the one copy it holds),
+        and the prefix cache is dropped: its pages hold K/V of the old weights.
         """
         self._require_idle("update weights")
         if self._stash is not None:
             raise RuntimeError("the weights are parked by sleep(level=2); call wake_up() before updating them")
-        self.backend.close()
         try:
-            count = load_into(self.model, tensors)
+            return self.backend.load_weights(self.model, tensors)
         finally:
-            self.backend.install(self.model, self.spec)
             self.cache.pool.reset_prefix_cache()
-        return count
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while a request holds blocks."""

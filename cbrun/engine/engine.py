@@ -368,6 +368,11 @@ class Engine:
         (the CPU backend's choice at load), or the backend's name where it has no such choice."""
         return self.core.backend.linear_kernels()
 
+    def weight_bytes(self) -> int:
+        """Bytes held for the model's weights (each storage once: the CPU backend's packed matrices and what the
+        model keeps), for the run summary and `cbrun info`."""
+        return self.core.backend.weight_bytes(self.core.model)
+
     # -- weights and memory between rollouts -----------------------------------
     def update_weights(self, weights: WeightSource) -> int:
         """Load new weights into the running engine; returns how many tensors were written.

@@ -92,6 +92,21 @@ def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> in
     return len(tensors)
 
 
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes behind the model's parameters and buffers, each storage once (tied weights count once); a
+    tensor with no memory behind it (all strides 0: a weight a backend holds in its own layout) counts 0."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.dim() and all(stride == 0 for stride in tensor.stride()):
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 class WeightStash:
     """The model's parameters while the engine sleeps at level 2: in a safetensors file, or in a dict
     the caller named (the tensors are handed over as they are, no copy)."""

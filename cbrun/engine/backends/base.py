@@ -24,7 +24,7 @@ package; selector.py picks one by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +37,7 @@ from cbrun.engine.request import Request
 from cbrun.engine.step.batch import AttentionMetadataBuilder, PrefillSeq, RowLayout, SequenceRows
 from cbrun.engine.step.sampler import Sampled, sample
 from cbrun.engine.step.scoring import ScoredRows, score_logits
+from cbrun.engine.weights import load_into, model_weight_bytes
 
 
 class BackendUnavailable(RuntimeError):
@@ -55,6 +56,15 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Give the model back as it came (apart from its attention implementation)."""
+        ...
+
+    def load_weights(self, model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Copy new weights (names of `model.state_dict()`) in, wherever the backend keeps them; all names and
+        shapes checked before anything is written. Returns how many were written."""
+        ...
+
+    def weight_bytes(self, model: CausalLM) -> int:
+        """Bytes held for the model's weights while installed (each storage once)."""
         ...
 
     def write_kv(
@@ -176,6 +186,13 @@ class TorchBackend:
 
     def close(self) -> None:
         """Give the model back as it came (apart from its attention implementation)."""
+
+    def load_weights(self, model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Copy new weights into the model's own tensors (the torch backend keeps nothing of its own)."""
+        return load_into(model, tensors)
+
+    def weight_bytes(self, model: CausalLM) -> int:
+        return model_weight_bytes(model)
 
     def write_kv(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor

@@ -13,22 +13,24 @@ its neighbours.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from cbrun.engine.backends.base import KernelRows, TorchBackend, metadata_builder_for
 from cbrun.engine.backends.cpu.attention_tasks import plan_tasks
-from cbrun.engine.backends.cpu.fused_layers import install_fused_layers, uninstall as uninstall_fused_layers
+from cbrun.engine.backends.cpu.fused_layers import LayerPlan, install_fused_layers
+from cbrun.engine.backends.cpu.held_weights import HeldWeights
 from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear import install_linear_methods, linear_shapes, uninstall as uninstall_linears
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.linear import install_linear_methods, linear_shapes
+from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.backends.cpu.method_selector import MethodChoice, choose_linear_method
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
 from cbrun.engine.step.batch import RowLayout, SequenceRows
 from cbrun.engine.step.sampler import Sampled, sample
 from cbrun.engine.step.scoring import ScoredRows, score_logits
+from cbrun.engine.weights import give_back_memory
 
 
 class CpuBackend(TorchBackend):
@@ -46,13 +48,15 @@ class CpuBackend(TorchBackend):
         self.kernels = kernels
         self.policy = policy  # which linear methods may serve (method_selector.py)
         self.attends_rows = False  # whether the compiled attention covers the model (install decides)
-        self.linears: dict[torch.nn.Linear, LayerMethod] = {}
-        self.fused_layers: list[torch.nn.Module] = []
+        self.linears: dict[torch.nn.Linear, LayerMethod | MemberForward] = {}
+        self.fused_layers: list[LayerPlan] = []
+        self.held: HeldWeights | None = None  # the weights the layer methods hold, while installed
         self.method_choices: list[MethodChoice] = []
 
     def install(self, model: CausalLM, spec: ModelSpec) -> None:
-        """Choose a linear method per weight dtype (after its self-check), give every linear layer its layer
-        method and Llama-shaped decoder layers the fused forward; decide whether the compiled attention applies."""
+        """Choose a linear method per weight dtype (after its self-check), give Llama-shaped decoder layers the
+        fused forward and every linear layer its layer method, which from then on holds its weight (one copy,
+        packed layer by layer as the checkpoint is read); decide whether the compiled attention applies."""
         self.method_choices = [
             choose_linear_method(self.kernels, dtype, shapes, self.policy)
             for dtype in (torch.float32, torch.bfloat16)
@@ -61,9 +65,12 @@ class CpuBackend(TorchBackend):
         methods: dict[torch.dtype, LinearMethod] = {
             c.dtype: c.method for c in self.method_choices if c.method is not None
         }
-        self.linears = install_linear_methods(model, self.kernels, methods)
+        self.held = HeldWeights(model)
         dtype = _dtype_of(model)
-        self.fused_layers = install_fused_layers(model, self.kernels, methods.get(dtype) if dtype is not None else None)
+        method = methods.get(dtype) if dtype is not None else None
+        self.fused_layers = install_fused_layers(model, self.kernels, method, self.held)
+        self.linears = install_linear_methods(model, self.kernels, methods, self.held)
+        give_back_memory()  # the dropped tensors' heap pages
         kv = spec.kv
         self.attends_rows = not spec.softcaps_attention and self.kernels.supports_attention(
             kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim
@@ -71,9 +78,24 @@ class CpuBackend(TorchBackend):
         self.metadata_builder = metadata_builder_for(self.plan_rows if self.attends_rows else None)
 
     def close(self) -> None:
-        uninstall_linears(self.linears)
-        uninstall_fused_layers(self.fused_layers)
-        self.linears, self.fused_layers = {}, []
+        """Give the model its dense weights and its own forwards back (bit for bit, one method at a time)."""
+        if self.held is not None:
+            self.held.restore()
+        self.linears, self.fused_layers, self.held = {}, [], None
+
+    def load_weights(self, model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> int:
+        """New weights straight into the methods that hold them (only the members named are packed again), the
+        rest into the model; the fused layers read their norms again."""
+        if self.held is None:
+            return super().load_weights(model, tensors)
+        count = self.held.load(tensors)
+        for plan in self.fused_layers:
+            plan.refresh_norms()
+        return count
+
+    def weight_bytes(self, model: CausalLM) -> int:
+        """Bytes held for the model's weights: the methods' packed matrices and every tensor the model keeps."""
+        return self.held.nbytes() if self.held is not None else super().weight_bytes(model)
 
     def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
         """The kernel's tasks (rows [R], start [T + 1], shared keys [T]): rows sharing leading pages together."""

@@ -19,8 +19,8 @@ result differs from its stock forward keeps the stock forward. Every
 projection goes through the compiled linear kernel, whose sums do not depend
 on the number of rows (batch invariance).
 
-Installed per module instance (a `forward` attribute) by the engine core and
-removed by `uninstall`, like the kernel linears (linear.py).
+Installed per module instance (a `forward` attribute) by the CPU backend,
+which removes it at close, like the kernel linears' (held_weights.py).
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.held_weights import HeldWeights
+from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.model_spec import CausalLM
 
 if TYPE_CHECKING:
@@ -51,7 +52,9 @@ _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _HEAD_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 _CACHE_KWARGS = ("cache", "past_key_values")
-_PROBE_TOKENS = (5, 259)  # a decode-sized step and a prefill-sized one
+# a decode-sized step and a prefill-sized one: past the kernels' row blocks (8, 16, 32), small enough that an 8B
+# model's 32 layers probe in seconds (the kernels' own invariance at every row count is the self-check's)
+_PROBE_TOKENS = (5, 67)
 # relative to the output's largest magnitude: fp32 sums in another order; bf16 rounds at other points than the
 # stock forward (which rounds after every op) but a wrong formula still misses by O(1)
 _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2}
@@ -59,14 +62,24 @@ _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2}
 
 @dataclass
 class Norm:
-    weight: torch.Tensor  # [D]
+    """An RMS norm's weight in fp32 (a bf16 weight widened, exactly) and epsilon, read from its module."""
+
+    module: Any  # the norm module (its weight is read by name)
     eps: float
+    weight: torch.Tensor = field(init=False)  # [D] fp32
+
+    def __post_init__(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.weight = self.module.weight.detach().float().contiguous()
 
 
 @dataclass
 class LayerPlan:
     """What the fused forward needs of one layer, read once at install."""
 
+    layer: Layer
     attention: Layer
     input_norm: Norm
     post_norm: Norm
@@ -87,24 +100,55 @@ class LayerPlan:
     gated_method: LayerMethod | None = None
     down_method: LayerMethod | None = None
 
-    def make_methods(self, method: LinearMethod, kernels: CpuKernels) -> None:
-        """Give the plan its layer methods (weights packed or read in place, as the method does)."""
-        self.qkv_method = method.make(kernels, [p.weight for p in self.qkv], [p.bias for p in self.qkv])
-        self.o_method = method.make(kernels, [self.o_proj.weight], [self.o_proj.bias])
-        self.gated_method = method.make(
-            kernels, [self.gate.weight, self.up.weight], [self.gate.bias, self.up.bias], gated=True
-        )
-        self.down_method = method.make(kernels, [self.down.weight], [self.down.bias])
+    def make_methods(self, method: LinearMethod, kernels: CpuKernels, held: HeldWeights) -> None:
+        """Give the plan its layer methods (weights packed or read in place, as the method does); each method
+        then holds its linears' weights, and each linear computes as its member of the method."""
+        groups: list[tuple[list[torch.nn.Linear], bool]] = [
+            (self.qkv, False),
+            ([self.o_proj], False),
+            ([self.gate, self.up], True),
+            ([self.down], False),
+        ]
+        made = []
+        for linears, gated in groups:
+            layer = method.make(kernels, [lin.weight for lin in linears], [lin.bias for lin in linears], gated=gated)
+            for index, linear in enumerate(linears):
+                held.route(linear, MemberForward(layer, index))
+                held.hold(linear, layer, index)  # the dense copy goes now: packing streams layer by layer
+            made.append(layer)
+        self.qkv_method, self.o_method, self.gated_method, self.down_method = made
+
+    def unfuse(self, method: LinearMethod, kernels: CpuKernels, held: HeldWeights) -> None:
+        """Give each linear a layer method of its own (the layer keeps the stock forward, which calls them one by
+        one), moving its weight out of the fused methods, which are freed."""
+        fused = [self.qkv_method, self.o_method, self.gated_method, self.down_method]
+        for linear in [*self.qkv, self.o_proj, self.gate, self.up, self.down]:
+            owner, index = held.holders[linear]
+            own = method.make(kernels, [owner.weight(index)], [linear.bias])
+            held.route(linear, own)
+            held.hold(linear, own, 0)
+        for layer in fused:
+            if layer is not None:
+                layer.release()
+        self.qkv_method = self.o_method = self.gated_method = self.down_method = None
+
+    def refresh_norms(self) -> None:
+        """Read the norms' weights again (after new weights were loaded into the model)."""
+        for norm in (self.input_norm, self.post_norm, self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.refresh()
 
 
 def install_fused_layers(
-    model: CausalLM, kernels: CpuKernels | None, method: LinearMethod | None
-) -> list[torch.nn.Module]:
+    model: CausalLM, kernels: CpuKernels | None, method: LinearMethod | None, held: HeldWeights
+) -> list[LayerPlan]:
     """Give every decoder layer of `model` that passes its probe the fused forward, its projections
-    through layer methods of `method` (the fp32 one); returns those layers.
+    through layer methods of `method` that hold their weights (`held`); returns the fused layers' plans.
 
     The probe runs both forwards through SDPA attention (switched on and back
     for the probe), so any attention implementation may be set when called.
+    A layer that fails it keeps the stock forward, its linears each with a
+    method of their own.
     """
     layers = getattr(getattr(model, "model", None), "layers", None)
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
@@ -112,7 +156,7 @@ def install_fused_layers(
         return []
     plans = [(layer, plan) for layer in layers if (plan := _plan(layer, method)) is not None]
     for _, plan in plans:
-        plan.make_methods(method, kernels)
+        plan.make_methods(method, kernels, held)
     if not plans:
         return []
     previous = model.config._attn_implementation
@@ -120,23 +164,20 @@ def install_fused_layers(
         model.set_attn_implementation("sdpa")  # a pure function of q, k, v for the probe
     except Exception as exc:  # a model without SDPA support: no probe, no fusion
         log.info("fused CPU decoder layers off: %s", exc)
-        return []
-    try:
-        verified = [(layer, plan) for layer, plan in plans if _probe(layer, plan, kernels, rotary)]
-    finally:
-        model.set_attn_implementation(previous)
-    installed: list[torch.nn.Module] = []
+        verified = []
+    else:
+        try:
+            verified = [(layer, plan) for layer, plan in plans if _probe(layer, plan, kernels, rotary)]
+        finally:
+            model.set_attn_implementation(previous)
+    for _, plan in plans:
+        if all(plan is not kept for _, kept in verified):
+            plan.unfuse(method, kernels, held)
     for layer, plan in verified:
-        layer.forward = functools.partial(fused_forward, plan, kernels, layer.forward)
-        installed.append(layer)
-    if installed:
-        log.info("fused CPU decoder layers: %d of %d", len(installed), len(layers))
-    return installed
-
-
-def uninstall(layers: list[torch.nn.Module]) -> None:
-    for layer in layers:
-        layer.__dict__.pop("forward", None)
+        held.route(layer, functools.partial(fused_forward, plan, kernels, layer.forward))
+    if verified:
+        log.info("fused CPU decoder layers: %d of %d", len(verified), len(layers))
+    return [plan for _, plan in verified]
 
 
 def fused_forward(
@@ -263,6 +304,7 @@ def _plan(layer: Layer, method: LinearMethod) -> LayerPlan | None:
     if q.out_features % dim or k.out_features % dim or k.out_features != v.out_features:
         return None
     return LayerPlan(
+        layer=layer,
         attention=attention,
         input_norm=input_norm,
         post_norm=post_norm,
@@ -296,7 +338,7 @@ def _norm(module: object) -> Norm | None:
         or not isinstance(eps, float)
     ):
         return None
-    return Norm(weight.detach().float().contiguous(), eps)  # fp32 (a bf16 weight widened, exactly)
+    return Norm(module, eps)
 
 
 @torch.inference_mode()

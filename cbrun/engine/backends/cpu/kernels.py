@@ -215,7 +215,8 @@ _SIGNATURES = {
     "silu_mul_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT]),
     "dp_variant_runs": (_INT, [_INT]),
     "dp_packed_size": (_I64, [_I64, _I64, _INT]),
-    "dp_pack": (_INT, [_P, _P, _I64, _I64, _INT, _P, _INT]),
+    "dp_pack_weight": (_INT, [_P, _I64, _I64, _I64, _INT, _I64, _P, _INT]),
+    "dp_unpack_weight": (_INT, [_P, _I64, _INT, _I64, _P, _I64, _P, _I64, _INT]),
     "dp_linear": (_INT, [_P, _I64, _INT, _P, _I64, _I64, _INT, _P, _P, _P, _I64, _INT, _I64, _P, _INT, _INT]),
     "dp_block_outputs": (_INT, []),
     "linear_vec_width": (_INT, []),
@@ -506,20 +507,80 @@ class CpuKernels:
         """Whether this CPU can run the variant ("isa": the CPU reports AVX512-BF16)."""
         return bool(self._lib.dp_variant_runs(self.DP_VARIANTS[variant]))
 
+    # roles of a weight in a packed matrix (linear_dpbf16.c): all of it, or a gated matrix's gate or up half
+    DP_ROLES: ClassVar[dict[str, int]] = {"plain": 0, "gate": 1, "up": 2}
+
+    def dp_packed(self, outputs: int, inner: int, gated: bool = False) -> torch.Tensor:
+        """An empty packed matrix (zeros): `outputs` outputs of `inner` inputs (gated: that many gate and up rows)."""
+        return torch.zeros(self._lib.dp_packed_size(outputs, inner, int(gated)), dtype=torch.int16)
+
+    def dp_pack_into(
+        self, packed: torch.Tensor, inner: int, weight: torch.Tensor, role: str = "plain", first: int = 0
+    ) -> None:
+        """Write bf16 `weight` [n, K] (rows unit-stride) as outputs first .. first + n - 1 of `role` into `packed`."""
+        if (
+            weight.dtype != torch.bfloat16
+            or weight.dim() != 2
+            or weight.shape[1] != inner
+            or weight.stride(1) != 1
+            or weight.device.type != "cpu"
+        ):
+            raise KernelError(
+                f"dp_pack: weight {tuple(weight.shape)} {weight.dtype} is not a bf16 CPU matrix of {inner} columns"
+            )
+        status = self._lib.dp_pack_weight(
+            _ptr(weight),
+            weight.stride(0),
+            weight.shape[0],
+            inner,
+            self.DP_ROLES[role],
+            first,
+            _ptr(packed),
+            torch.get_num_threads(),
+        )
+        _check(status, "dp_pack")
+
+    def dp_unpack(
+        self,
+        packed: torch.Tensor,
+        inner: int,
+        role: str = "plain",
+        first: int = 0,
+        count: int = 0,
+        ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Outputs of `role` back out of `packed`, bit for bit, as bf16 rows [count, K]: first .. first + count - 1,
+        or the outputs `ids` (int64 [T]: a tied head's embedding lookup) when given."""
+        if ids is not None:
+            if ids.dtype != torch.int64 or not ids.is_contiguous():
+                raise KernelError("dp_unpack: ids must be contiguous int64")
+            count = ids.numel()
+        out = torch.empty(count, inner, dtype=torch.bfloat16)
+        status = self._lib.dp_unpack_weight(
+            _ptr(packed),
+            inner,
+            self.DP_ROLES[role],
+            first,
+            _optional_ptr(ids),
+            count,
+            _ptr(out),
+            inner,
+            torch.get_num_threads(),
+        )
+        _check(status, "dp_unpack")
+        return out
+
     def dp_pack(self, weight: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         """bf16 weight [N, K] (gated: gate [N, K] and up [N, K]) -> its packed blocks, flat int16."""
-        gated = up is not None
-        for w in (weight,) if up is None else (weight, up):
-            if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
-                raise KernelError(f"dp_pack: weight {tuple(w.shape)} {w.dtype} is not a contiguous bf16 CPU matrix")
         if up is not None and up.shape != weight.shape:
             raise KernelError("dp_pack: gate and up weights differ in shape")
         rows, inner = weight.shape
-        packed = torch.empty(self._lib.dp_packed_size(rows, inner, int(gated)), dtype=torch.int16)
-        status = self._lib.dp_pack(
-            _ptr(weight), _optional_ptr(up), rows, inner, int(gated), _ptr(packed), torch.get_num_threads()
-        )
-        _check(status, "dp_pack")
+        packed = self.dp_packed(rows, inner, gated=up is not None)
+        if up is None:
+            self.dp_pack_into(packed, inner, weight)
+        else:
+            self.dp_pack_into(packed, inner, weight, "gate")
+            self.dp_pack_into(packed, inner, up, "up")
         return packed
 
     def dp_linear(
@@ -531,11 +592,12 @@ class CpuKernels:
         variant: str,
         bias: torch.Tensor | None = None,
         up_bias: torch.Tensor | None = None,
-        gated: bool = False,
+        gated: bool | str = False,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """x [M, K] (bf16, or fp32 rounded to bf16) @ packed W^T (+ fp32 bias) -> [M, N] in `out_dtype`
-        (default x's); gated: silu(x @ Wg^T + bias) * (x @ Wu^T + up_bias). See linear_dpbf16.c."""
+        (default x's); gated: silu(x @ Wg^T + bias) * (x @ Wu^T + up_bias); gated="raw": both sums (+ biases)
+        side by side, [M, 2N]. See linear_dpbf16.c."""
         x = _unit_stride_rows(x)
         rows, width = x.shape
         if width != inner or x.dtype not in _LINEAR_DTYPES or packed.dtype != torch.int16:
@@ -543,7 +605,8 @@ class CpuKernels:
         for b in (bias, up_bias):
             if b is not None and (b.dtype != torch.float32 or b.shape != (outputs,) or not b.is_contiguous()):
                 raise KernelError(f"dp_linear: bias {tuple(b.shape)} {b.dtype} is not fp32 [{outputs}]")
-        out = torch.empty(rows, outputs, dtype=out_dtype or x.dtype)
+        mode = 2 if gated == "raw" else int(bool(gated))
+        out = torch.empty(rows, outputs * (2 if mode == 2 else 1), dtype=out_dtype or x.dtype)
         if out.dtype not in _LINEAR_DTYPES:
             raise KernelError(f"dp_linear: output dtype {out.dtype}")
         padded = inner + inner % 2
@@ -555,7 +618,7 @@ class CpuKernels:
             _ptr(packed),
             outputs,
             inner,
-            int(gated),
+            mode,
             _optional_ptr(bias),
             _optional_ptr(up_bias),
             _ptr(out),

@@ -9,17 +9,18 @@ GEMMs cannot promise that: they pick their blocking over K by the shape of the
 call and switch kernels with M.
 
 The patch is per module instance (a `forward` attribute), installed by the
-backend for the engine's lifetime and removed by `uninstall`.
+backend for the engine's lifetime; the method then holds the weight (the
+module's dense copy is dropped, held_weights.py), and the backend's close
+gives both back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
+from cbrun.engine.backends.cpu.held_weights import HeldWeights
 from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.backends.cpu.self_check import Shape
 
 
@@ -34,21 +35,19 @@ def linear_shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[Shape]:
 
 
 def install_linear_methods(
-    model: torch.nn.Module, kernels: CpuKernels, methods: dict[torch.dtype, LinearMethod]
-) -> dict[torch.nn.Linear, LayerMethod]:
-    """Route every nn.Linear whose dtype has a method through a layer method of it; returns them by module.
-    (A plain output head is projected by the backend itself, to fp32 logits, with the same layer method.)"""
-    layers: dict[torch.nn.Linear, LayerMethod] = {}
+    model: torch.nn.Module, kernels: CpuKernels, methods: dict[torch.dtype, LinearMethod], held: HeldWeights
+) -> dict[torch.nn.Linear, LayerMethod | MemberForward]:
+    """Route every nn.Linear whose dtype has a method, and that no fused layer holds already, through a layer
+    method of it, which then holds its weight (held_weights.py); returns every routed linear's forward by
+    module, the fused layers' members included. (A plain output head is projected by the backend itself, to
+    fp32 logits, with the same layer method.)"""
     for module in model.modules():
+        if module in held.holders:
+            continue
         dtype = getattr(getattr(module, "weight", None), "dtype", None)
         method = methods.get(dtype) if dtype is not None else None  # (no method is keyed None)
         if method is not None and method.reads(module):
             layer = method.make(kernels, [module.weight], [module.bias])
-            module.forward = layer  # type: ignore[method-assign, assignment]  # per instance; called as module(x): x [..., K] -> [..., N]
-            layers[module] = layer
-    return layers
-
-
-def uninstall(modules: Iterable[torch.nn.Module]) -> None:
-    for module in modules:
-        module.__dict__.pop("forward", None)
+            held.route(module, layer)  # per instance; called as module(x): x [..., K] -> [..., N]
+            held.hold(module, layer, 0)
+    return {module: forward for module, forward in held.forwards.items() if isinstance(module, torch.nn.Linear)}

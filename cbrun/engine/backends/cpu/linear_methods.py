@@ -32,9 +32,45 @@ from cbrun.engine.backends.cpu.kernels import CpuKernels
 
 
 class LayerMethod(Protocol):
-    """One layer's weights in its kernel's layout: x [M, K] -> [M, N] (gated: silu(gate) * up)."""
+    """One layer's weights in its kernel's layout: x [M, K] -> [M, N] (gated: silu(gate) * up).
+
+    A layer method holds one or several *members* (the nn.Linear weights it was
+    made from, side by side: q, k, v; or gate and up). Where it packs them
+    (`owns_weights`), its packed matrix is the only copy the engine keeps: the
+    module's own tensor is dropped, and `weight` reads a member back, bit for
+    bit, `load` replaces one in place, and `member` computes one alone (the
+    stock forward of a fused layer calls its linears one by one).
+    """
+
+    owns_weights: bool  # the weights live in this method's own layout (the module's copy may be dropped)
+    serves_rows: bool  # `rows` is cheap: a tied embedding may look its rows up here
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+    def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Member `index` alone: x [M, K] -> [M, N_index] (a gated method's gate or up sums, plus bias)."""
+        ...
+
+    def weight(self, index: int) -> torch.Tensor:
+        """Member `index`'s weight [N_index, K] in its dtype, exactly as it was given."""
+        ...
+
+    def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        """Replace member `index`'s weight and/or bias (same shape, converted to the method's dtype) in place."""
+        ...
+
+    def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [T]) of member `index`'s weight: [T, K] (a tied embedding's lookup)."""
+        ...
+
+    def release(self) -> None:
+        """Free this method's own storage; it cannot compute afterwards (the backend is closing)."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this method holds of its own (packed weights, fp32 bias copies); 0 when it reads in place."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -87,6 +123,17 @@ ONEDNN_B64 = LinearMethod("onednn-b64", torch.bfloat16, False, "onednn")
 METHODS = {m.name: m for m in (F32, DP_ISA, DP_TWIN, DP_SCALAR, ONEDNN_B64)}
 
 
+class MemberForward:
+    """One member of a layer method as its linear's own forward: x [..., K] -> [..., N_index]. A fused
+    layer's stock forward (probes, callers other than the engine) calls its linears through these."""
+
+    def __init__(self, method: LayerMethod, index: int) -> None:
+        self.method, self.index = method, index
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.method.member(self.index, x, out_dtype)
+
+
 def _fp32_bias(biases: Sequence[torch.Tensor | None], widths: list[int]) -> torch.Tensor | None:
     """The biases side by side in fp32 [sum N_i] (zeros for a missing one), or None when there are none."""
     if all(b is None for b in biases):
@@ -95,8 +142,20 @@ def _fp32_bias(biases: Sequence[torch.Tensor | None], widths: list[int]) -> torc
     return torch.cat(parts).contiguous()
 
 
+def _offsets(widths: Sequence[int]) -> list[int]:
+    """Where each member's outputs start among the outputs side by side."""
+    starts = [0]
+    for width in widths[:-1]:
+        starts.append(starts[-1] + width)
+    return starts
+
+
 class _InPlaceLinear:
     """linear.c: fp32 (or bf16, widened) weights read in place, several sharing x in one pass."""
+
+    owns_weights = False
+    serves_rows = True
+    nbytes = 0
 
     def __init__(
         self, kernels: CpuKernels, weights: list[torch.Tensor], biases: list[torch.Tensor | None], gated: bool
@@ -112,9 +171,38 @@ class _InPlaceLinear:
             out = self.kernels.linear_many(rows, self.weights, self.biases, out_dtype)  # [M, sum N_i]
         return out.view(*x.shape[:-1], out.shape[-1])
 
+    def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        out = self.kernels.linear(rows, self.weights[index], self.biases[index], out_dtype)  # [M, N_index]
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def weight(self, index: int) -> torch.Tensor:
+        return self.weights[index]
+
+    def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        with torch.no_grad():
+            if weight is not None:
+                self.weights[index].copy_(weight)  # the module's own tensor: read in place
+            if bias is not None and (own := self.biases[index]) is not None:
+                own.copy_(bias)
+
+    def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
+        return self.weights[index].index_select(0, ids)
+
+    def release(self) -> None:
+        self.weights, self.biases = [], []
+
 
 class _PairDotLinear:
-    """linear_dpbf16.c: bf16 weights packed once into pair-interleaved blocks; one variant's kernel."""
+    """linear_dpbf16.c: bf16 weights packed once into pair-interleaved blocks; one variant's kernel.
+
+    The packed matrix is the only copy of the weights: each member is packed
+    straight from its tensor into its own output lanes, and read back out of
+    them (dp_unpack, exact) when the model wants its dense weights again.
+    """
+
+    owns_weights = True
+    serves_rows = True
 
     def __init__(
         self,
@@ -126,17 +214,20 @@ class _PairDotLinear:
     ) -> None:
         self.kernels, self.variant, self.gated = kernels, variant, gated
         self.inner = weights[0].shape[1]
+        self.widths = [w.shape[0] for w in weights]
         if gated:
-            self.outputs = weights[0].shape[0]
-            self.packed = kernels.dp_pack(weights[0].detach().contiguous(), weights[1].detach().contiguous())
+            self.outputs = self.widths[0]
+            self.roles, self.starts = ["gate", "up"], [0, 0]
             self.bias = _fp32_bias(biases[:1], [self.outputs])
             self.up_bias = _fp32_bias(biases[1:], [self.outputs])
         else:
-            whole = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-            self.outputs = whole.shape[0]
-            self.packed = kernels.dp_pack(whole.contiguous())  # [blocks * Kp * 32] int16
-            self.bias = _fp32_bias(biases, [w.shape[0] for w in weights])
+            self.outputs = sum(self.widths)
+            self.roles, self.starts = ["plain"] * len(weights), _offsets(self.widths)
+            self.bias = _fp32_bias(biases, self.widths)
             self.up_bias = None
+        self.packed = kernels.dp_packed(self.outputs, self.inner, gated)  # [blocks * Kp * 32] int16
+        for index, weight in enumerate(weights):
+            self._pack(index, weight)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
@@ -145,22 +236,70 @@ class _PairDotLinear:
         )  # [M, N]
         return out.view(*x.shape[:-1], self.outputs)
 
+    def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        mode = "raw" if self.gated else False  # gated: both sums side by side [M, 2N]
+        out = self.kernels.dp_linear(
+            rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, mode, out_dtype
+        )
+        first = self.outputs * index if self.gated else self.starts[index]
+        out = out[:, first : first + self.widths[index]].contiguous()  # [M, N_index]
+        return out.view(*x.shape[:-1], self.widths[index])
+
+    def weight(self, index: int) -> torch.Tensor:
+        return self.kernels.dp_unpack(
+            self.packed, self.inner, self.roles[index], self.starts[index], self.widths[index]
+        )  # [N_index, K] bf16
+
+    def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        if weight is not None:
+            self._pack(index, weight)
+        if bias is not None:
+            target = self.up_bias if self.gated and index == 1 else self.bias
+            first = 0 if self.gated else self.starts[index]
+            if target is not None:
+                target[first : first + self.widths[index]] = bias.detach().to(torch.bfloat16).float()
+
+    def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
+        start = self.starts[index]
+        return self.kernels.dp_unpack(self.packed, self.inner, self.roles[index], ids=ids + start if start else ids)
+
+    def release(self) -> None:
+        self.packed = torch.empty(0, dtype=torch.int16)
+
+    def _pack(self, index: int, weight: torch.Tensor) -> None:
+        rows = weight.detach().to(torch.bfloat16)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        self.kernels.dp_pack_into(self.packed, self.inner, rows, self.roles[index], self.starts[index])
+
+    @property
+    def nbytes(self) -> int:
+        extra = sum(b.numel() * 4 for b in (self.bias, self.up_bias) if b is not None)
+        return self.packed.numel() * 2 + extra
+
 
 class _BlockedOneDnn:
-    """oneDNN's bf16 GEMM on its packed weight, always called on one block of BLOCK rows (zero-padded)."""
+    """oneDNN's bf16 GEMM on its packed weight, always called on one block of BLOCK rows (zero-padded).
+
+    The reordered weight is the only copy: a member is read back with an exact reorder (to_dense)."""
 
     BLOCK = 64
+    owns_weights = True
+    serves_rows = False  # reading rows back reorders the whole matrix
 
     def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], gated: bool) -> None:
-        whole = torch.cat([w.detach() for w in weights]).contiguous()  # [sum N_i, K] (gated: gate then up)
         self.gated = gated
-        self.outputs = whole.shape[0] // 2 if gated else whole.shape[0]
-        widths = [w.shape[0] for w in weights]
-        bias = _fp32_bias(biases, widths)
+        self.widths = [w.shape[0] for w in weights]
+        self.starts = _offsets(self.widths)
+        self.outputs = self.widths[0] if gated else sum(self.widths)
+        bias = _fp32_bias(biases, self.widths)
         self.bias = bias.to(torch.bfloat16) if bias is not None else None
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(whole, self.BLOCK)
+        self._reorder(torch.cat([w.detach() for w in weights]).contiguous())  # [sum N_i, K] (gated: gate then up)
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _reorder(self, whole: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(whole.to(torch.bfloat16), self.BLOCK)
+
+    def _raw(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, K]
         count = rows.shape[0]
         padded = -(-count // self.BLOCK) * self.BLOCK
@@ -170,9 +309,40 @@ class _BlockedOneDnn:
             torch.ops.mkldnn._linear_pointwise(rows[i : i + self.BLOCK], self.packed, self.bias, "none", [], "")
             for i in range(0, padded, self.BLOCK)
         ]
-        out = torch.cat(blocks)[:count]  # [M, N or 2N] bf16
+        return torch.cat(blocks)[:count]  # [M, sum N_i] bf16
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = self._raw(x)
         if self.gated:
             gate, up = out.float().split(self.outputs, dim=1)
             out = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
         out = out.to(out_dtype or x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        first = self.starts[index]
+        out = self._raw(x)[:, first : first + self.widths[index]].to(out_dtype or x.dtype)
+        return out.view(*x.shape[:-1], self.widths[index])
+
+    def weight(self, index: int) -> torch.Tensor:
+        first = self.starts[index]
+        return self.packed.to_dense()[first : first + self.widths[index]].clone()
+
+    def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        first = self.starts[index]
+        if weight is not None:
+            whole = self.packed.to_dense()
+            whole[first : first + self.widths[index]] = weight.detach()
+            self._reorder(whole)
+        if bias is not None and self.bias is not None:
+            self.bias[first : first + self.widths[index]] = bias.detach().to(torch.bfloat16)
+
+    def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight(index).index_select(0, ids)
+
+    def release(self) -> None:
+        self.packed = torch.empty(0, dtype=torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.widths) * self.packed.shape[1] * 2 + (self.bias.numel() * 2 if self.bias is not None else 0)

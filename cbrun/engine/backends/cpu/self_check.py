@@ -3,7 +3,8 @@
 A kernel variant compiled for an instruction set the build machine lacked, or
 a library whose blocking changes with the CPU, can compute wrong or
 batch-dependent numbers on a CPU nobody tested. So before a method serves it
-shows, at the model's shapes, on random probe weights:
+shows, at the model's shapes (every K, and a few blocks of outputs: the
+kernels block over rows and K, never over outputs), on random probe weights:
 
 - invariance: each probe row gives bitwise the same outputs alone (one row)
   as inside batches of several sizes at several positions;
@@ -38,6 +39,8 @@ log = logging.getLogger("cbrun.engine")
 _CROWDS = ((1, 0), (5, 4), (9, 8), (37, 20), (64, 63), (67, 64), (130, 97))
 _PROBE_ROWS = 3
 _TRIAL_ROWS = 64
+_TRIAL_OUTPUTS = 1024
+_PROBE_OUTPUTS = 96  # outputs of a probe layer at most: three blocks of 32 (probe_shape)
 _lock = threading.Lock()
 
 
@@ -69,9 +72,10 @@ def check_method(
     kernels: CpuKernels, method: LinearMethod, shapes: list[Shape], *, timed: bool = False, cache_key: str | None = None
 ) -> CheckResult:
     """Run (or read from the cache) `method`'s self-check at `shapes`; `timed` adds a speed trial."""
+    probed = shapes if timed else sorted({probe_shape(s) for s in shapes}, key=str)  # a trial times real widths
     key = (
         f"{cache_key}|{method.name}|{torch.__version__}|{torch.get_num_threads()}|{timed}|"
-        + ",".join(map(str, sorted(shapes, key=str)))
+        + ",".join(map(str, sorted(probed, key=str)))
         if cache_key
         else None
     )
@@ -94,7 +98,7 @@ def _run(kernels: CpuKernels, method: LinearMethod, shapes: list[Shape], timed: 
         return f"this CPU cannot run {method.name}", 0.0
     trial_ms = 0.0
     generator = torch.Generator().manual_seed(1234)
-    for shape in shapes:
+    for shape in sorted({probe_shape(s) for s in shapes}, key=str):
         layer, reference = _probe_layers(kernels, method, shape, generator)
         crowd = torch.randn(max(size for size, _ in _CROWDS) + _PROBE_ROWS, shape.inputs, generator=generator).to(
             method.weight_dtype
@@ -110,16 +114,29 @@ def _run(kernels: CpuKernels, method: LinearMethod, shapes: list[Shape], timed: 
             for name, rows in (("typical", crowd[:_PROBE_ROWS]), ("tiny", _tiny_rows(shape, generator))):
                 if not _same_bits(layer(rows, torch.float32), reference(rows, torch.float32)):
                     return f"differs from the plain-C reference at {shape} on {name} values", 0.0
-        if timed:
-            trial_ms += _time_call(layer, crowd[:_TRIAL_ROWS])
+    for shape in shapes if timed else []:  # the speed trial at (nearly) the real width
+        trial = Shape(min(shape.outputs, _TRIAL_OUTPUTS), shape.inputs, shape.gated)
+        layer, _ = _probe_layers(kernels, method, trial, generator, reference=False)
+        trial_ms += _time_call(
+            layer, torch.randn(_TRIAL_ROWS, shape.inputs, generator=generator).to(method.weight_dtype)
+        )
     checks = "invariance" + (
         " and equality with the plain-C reference" if method.kernel == "dp" and method.variant != "scalar" else ""
     )
     return f"ok: {checks} at {len(shapes)} shapes", trial_ms
 
 
+def probe_shape(shape: Shape) -> Shape:
+    """The shape a check probes for a layer of `shape`: every input (a chain's length, which is what a kernel's
+    blocking over K depends on) and at most _PROBE_OUTPUTS outputs, keeping the last partial block (N % 32),
+    so an 8B model's 14336-wide MLP and 128k-word head cost the check what a small model's do."""
+    if shape.outputs <= _PROBE_OUTPUTS:
+        return shape
+    return Shape(_PROBE_OUTPUTS - 32 + shape.outputs % 32, shape.inputs, shape.gated)
+
+
 def _probe_layers(
-    kernels: CpuKernels, method: LinearMethod, shape: Shape, generator: torch.Generator
+    kernels: CpuKernels, method: LinearMethod, shape: Shape, generator: torch.Generator, reference: bool = True
 ) -> tuple[LayerMethod, LayerMethod | None]:
     """The method's layer on random weights of `shape` (and bias), and the reference's where it has one."""
     count = 2 if shape.gated else 1
@@ -131,10 +148,10 @@ def _probe_layers(
     ]
     biases = [torch.randn(shape.outputs, generator=generator).to(method.weight_dtype) for _ in range(count)]
     layer = method.make(kernels, weights, biases, gated=shape.gated)
-    reference = None
-    if method.kernel == "dp" and method.variant != "scalar":
-        reference = DP_SCALAR.make(kernels, weights, biases, gated=shape.gated)
-    return layer, reference
+    twin = None
+    if reference and method.kernel == "dp" and method.variant != "scalar":
+        twin = DP_SCALAR.make(kernels, weights, biases, gated=shape.gated)
+    return layer, twin
 
 
 def _tiny_rows(shape: Shape, generator: torch.Generator) -> torch.Tensor:

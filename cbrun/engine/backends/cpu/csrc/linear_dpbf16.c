@@ -23,7 +23,8 @@
  * Why we own this kernel: oneDNN's bf16 GEMM blocks K by the call's shape (a row's bits change with
  * the batch once K >= 1536) and its order is not vdpbf16ps's pair order on every CPU.
  *
- * Weights are packed once, at load (dp_pack): blocks of DP_BLOCK = 32 outputs with the k-pairs of
+ * Weights are packed once, at load (dp_pack_weight), and the packed matrix is the only copy the engine
+ * keeps: blocks of DP_BLOCK = 32 outputs with the k-pairs of
  * each output interleaved,
  *     packed[block][pair][32 outputs][2 elements]   (bf16; K padded to even, the last block to
  *                                                    32 outputs, with zeros)
@@ -31,8 +32,10 @@
  * matching 16 up rows, and its epilogue writes silu(gate) * up. x (bf16, or fp32 rounded to bf16)
  * is copied per call into rows padded to Kp: xp[M][Kp].
  *
- *   dp_pack        w [N, K] bf16 (or gate and up) -> packed blocks
- *   dp_linear      y [M, N] = x [M, K] @ W^T (+ bias), or silu(x @ Wg^T + bg) * (x @ Wu^T + bu)
+ *   dp_pack_weight w [n, K] bf16 -> outputs of a packed matrix (plain, or a gated block's gate or up half)
+ *   dp_unpack_weight the inverse, bit for bit (close, weight reads, a tied head's embedding lookup)
+ *   dp_linear      y [M, N] = x [M, K] @ W^T (+ bias), or silu(x @ Wg^T + bg) * (x @ Wu^T + bu), or (gated
+ *                  raw) the gate and up sums side by side, y [M, 2N]: one member of a fused matrix alone
  *   dp_variant_runs  whether a variant can run on this CPU (DP_ISA: the CPU reports AVX512-BF16)
  */
 #include <stdlib.h>
@@ -50,18 +53,35 @@
  * output's chain does not depend on the chunking. */
 #define DP_MIN_CHUNK 128
 #endif
+#ifndef DP_K_PAIRS
+/* pairs of k per step at most: one step of a block's weights (DP_K_PAIRS * 128 bytes: 16 KiB) stays in L1 while
+ * every row group of a chunk passes it */
+#define DP_K_PAIRS 128
+#endif
 #define DP_BAD_ARGS (-1)
+#define DP_NO_MEMORY (-2)
+#define DP_GATED_SILU 1 /* dp_linear's `gated`: silu(gate) * up */
+#define DP_GATED_RAW 2  /* dp_linear's `gated`: gate and up sums side by side, y [M, 2N] */
 #define DP_NO_VARIANT (-3)
 
 typedef float dp_tile[DP_ROWS][DP_BLOCK];
 
+/* Pairs of k per step for K / 2 = `pairs`: the same for every call at that K (it depends on K alone), as even
+ * as steps of at most DP_K_PAIRS allow. A step only carries the fp32 sums to the next one: no chain's order or
+ * rounding changes (an fp32 value stored and loaded is itself). */
+static inline int64_t dp_k_step(int64_t pairs) {
+  const int64_t steps = (pairs + DP_K_PAIRS - 1) / DP_K_PAIRS;
+  return (pairs + steps - 1) / steps;
+}
+
 /* ---- DP_SCALAR: the reference ----------------------------------------------------------------- */
 
-static void dp_rows_scalar(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, dp_tile out) {
+static void dp_rows_scalar(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
+                           dp_tile out) {
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < DP_BLOCK; ++j) {
-      float acc = 0.f;
-      for (int64_t p = 0; p < Kp / 2; ++p) {
+      float acc = p0 ? out[r][j] : 0.f;
+      for (int64_t p = p0; p < p1; ++p) {
         const uint16_t* wp = w + (p * DP_BLOCK + j) * 2;
         const uint16_t* xr = xp + r * Kp + 2 * p;
         const float t = dp_flush(fmaf(dp_read(xr[1]), dp_read(wp[1]), acc));
@@ -80,14 +100,16 @@ static void dp_rows_scalar(const uint16_t* xp, int64_t Kp, const uint16_t* w, in
 #define TWIN_ROWS 2 /* 8 accumulators + 8 weight halves of 16 ymm would spill at more rows */
 #endif
 
-/* TWIN_ROWS (or fewer) rows against one block; each lane the chain of the header, fused multiply-adds
- * where the build targets FMA (-ffp-contract=fast), flushed by the mode the caller set. */
+/* TWIN_ROWS (or fewer) rows against pairs p0 .. p1 - 1 of one block, continuing the sums in `out` (from zero
+ * where p0 = 0); each lane the chain of the header, fused multiply-adds where the build targets FMA
+ * (-ffp-contract=fast), flushed by the mode the caller set. */
 static inline __attribute__((always_inline)) void twin_rows(const uint16_t* xp, int64_t Kp, const uint16_t* w,
-                                                            int rows, float (*out)[DP_BLOCK]) {
+                                                            int rows, int64_t p0, int64_t p1,
+                                                            float (*out)[DP_BLOCK]) {
   vNf acc[TWIN_ROWS][TWIN_VECS];
   for (int r = 0; r < TWIN_ROWS; ++r)
-    for (int v = 0; v < TWIN_VECS; ++v) acc[r][v] = splatN(0.f);
-  for (int64_t p = 0; p < Kp / 2; ++p) {
+    for (int v = 0; v < TWIN_VECS; ++v) acc[r][v] = p0 && r < rows ? loadN_f32(out[r] + v * VEC) : splatN(0.f);
+  for (int64_t p = p0; p < p1; ++p) {
     vNf high[TWIN_VECS], low[TWIN_VECS];
     for (int v = 0; v < TWIN_VECS; ++v) {
       const vNu pairs = *(const vNu_mem*)(w + (p * DP_BLOCK + v * VEC) * 2);
@@ -109,10 +131,11 @@ static inline __attribute__((always_inline)) void twin_rows(const uint16_t* xp, 
     for (int v = 0; v < TWIN_VECS; ++v) storeN_f32(out[r] + v * VEC, acc[r][v]);
 }
 
-static void dp_rows_twin(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, dp_tile out) {
+static void dp_rows_twin(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
+                         dp_tile out) {
   for (int r0 = 0; r0 < rows; r0 += TWIN_ROWS) {
     const int n = rows - r0 < TWIN_ROWS ? rows - r0 : TWIN_ROWS;
-    twin_rows(xp + r0 * Kp, Kp, w, n, out + r0);
+    twin_rows(xp + r0 * Kp, Kp, w, n, p0, p1, out + r0);
   }
 }
 
@@ -123,13 +146,17 @@ static void dp_rows_twin(const uint16_t* xp, int64_t Kp, const uint16_t* w, int 
 
 #define DP_ISA_TARGET __attribute__((target("avx512f,avx512bf16"), always_inline)) static inline
 
-/* R rows (a compile-time count) against one block: per pair, two 64-byte weight loads, one broadcast
- * of each row's pair, 2R instructions. */
+/* R rows (a compile-time count) against pairs p0 .. p1 - 1 of one block, continuing the sums in `out` (from
+ * zero where p0 = 0): per pair, two 64-byte weight loads, one broadcast of each row's pair, 2R instructions. */
 #define DEFINE_ISA_ROWS(R)                                                                              \
-  DP_ISA_TARGET void isa_rows_##R(const uint16_t* xp, int64_t Kp, const uint16_t* w, dp_tile out) {     \
+  DP_ISA_TARGET void isa_rows_##R(const uint16_t* xp, int64_t Kp, const uint16_t* w, int64_t p0, int64_t p1, \
+                                  dp_tile out) {                                                        \
     __m512 acc[R][2];                                                                                   \
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                            \
-    for (int64_t p = 0; p < Kp / 2; ++p) {                                                              \
+    for (int r = 0; r < R; ++r) {                                                                       \
+      acc[r][0] = p0 ? _mm512_loadu_ps(out[r]) : _mm512_setzero_ps();                                   \
+      acc[r][1] = p0 ? _mm512_loadu_ps(out[r] + 16) : _mm512_setzero_ps();                              \
+    }                                                                                                   \
+    for (int64_t p = p0; p < p1; ++p) {                                                                 \
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * DP_BLOCK * 2);                           \
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * DP_BLOCK * 2 + DP_BLOCK);                \
       for (int r = 0; r < R; ++r) {                                                                     \
@@ -156,21 +183,25 @@ DEFINE_ISA_ROWS(7)
 DEFINE_ISA_ROWS(8)
 
 __attribute__((target("avx512f,avx512bf16"))) static void dp_rows_isa(const uint16_t* xp, int64_t Kp,
-                                                                       const uint16_t* w, int rows, dp_tile out) {
+                                                                       const uint16_t* w, int rows, int64_t p0,
+                                                                       int64_t p1, dp_tile out) {
   switch (rows) {
-    case 1: isa_rows_1(xp, Kp, w, out); break;
-    case 2: isa_rows_2(xp, Kp, w, out); break;
-    case 3: isa_rows_3(xp, Kp, w, out); break;
-    case 4: isa_rows_4(xp, Kp, w, out); break;
-    case 5: isa_rows_5(xp, Kp, w, out); break;
-    case 6: isa_rows_6(xp, Kp, w, out); break;
-    case 7: isa_rows_7(xp, Kp, w, out); break;
-    default: isa_rows_8(xp, Kp, w, out); break;
+    case 1: isa_rows_1(xp, Kp, w, p0, p1, out); break;
+    case 2: isa_rows_2(xp, Kp, w, p0, p1, out); break;
+    case 3: isa_rows_3(xp, Kp, w, p0, p1, out); break;
+    case 4: isa_rows_4(xp, Kp, w, p0, p1, out); break;
+    case 5: isa_rows_5(xp, Kp, w, p0, p1, out); break;
+    case 6: isa_rows_6(xp, Kp, w, p0, p1, out); break;
+    case 7: isa_rows_7(xp, Kp, w, p0, p1, out); break;
+    default: isa_rows_8(xp, Kp, w, p0, p1, out); break;
   }
 }
 #endif
 
-typedef void (*dp_rows_fn)(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, dp_tile out);
+/* Rows of x (rows <= DP_ROWS, Kp apart) against pairs p0 .. p1 - 1 of one packed block, continuing the sums
+ * in `out` (started from zero where p0 = 0). */
+typedef void (*dp_rows_fn)(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
+                           dp_tile out);
 
 int dp_variant_runs(int variant) {
   if (variant == DP_SCALAR || variant == DP_TWIN) return 1;
@@ -187,27 +218,63 @@ static dp_rows_fn dp_rows_for(int variant) {
 
 /* ---- packing ---------------------------------------------------------------------------------- */
 
+/* Roles of a weight in a packed matrix: all 32 lanes of a block (plain), or a gated block's first 16
+ * lanes (gate rows) or last 16 (up rows). Output n of a role lives in block dp_block_of(n), lane
+ * dp_lane_of(n). */
+#define DP_PLAIN 0
+#define DP_GATE 1
+#define DP_UP 2
+
+static inline int64_t dp_block_of(int64_t n, int role) { return role == DP_PLAIN ? n / DP_BLOCK : n / (DP_BLOCK / 2); }
+static inline int dp_lane_of(int64_t n, int role) {
+  if (role == DP_PLAIN) return (int)(n % DP_BLOCK);
+  return (int)(n % (DP_BLOCK / 2)) + (role == DP_UP ? DP_BLOCK / 2 : 0);
+}
+
 /* Packed elements for N outputs of K inputs (gated: N gate and N up rows). */
 int64_t dp_packed_size(int64_t N, int64_t K, int gated) {
   const int64_t per_block = gated ? DP_BLOCK / 2 : DP_BLOCK;
   return (N + per_block - 1) / per_block * ((K + 1) / 2 * 2) * DP_BLOCK;
 }
 
-/* w [N, K] bf16 (gated: w = gate rows, up = the up rows) -> packed, blocks shared between threads. */
-int dp_pack(const uint16_t* w, const uint16_t* up, int64_t N, int64_t K, int gated, uint16_t* packed,
-            int threads) {
-  if (N < 1 || K < 1 || (gated && !up)) return DP_BAD_ARGS;
+/* Rows w [rows, K] bf16 (rows ldw apart) become outputs first .. first + rows - 1 of `role` in `packed` (a
+ * matrix of K inputs): only those outputs' lanes are written (the pad element of an odd K as zero), so the
+ * members of a fused matrix (q|k|v, gate and up) are packed, and later replaced, one at a time, each
+ * straight from its own tensor. Lanes no member owns stay as the caller made them (zeros). Threads take
+ * whole blocks, so none writes a cache line another one writes. */
+int dp_pack_weight(const uint16_t* w, int64_t ldw, int64_t rows, int64_t K, int role, int64_t first, uint16_t* packed,
+                 int threads) {
+  if (rows < 1 || K < 1 || first < 0 || ldw < K || role < DP_PLAIN || role > DP_UP) return DP_BAD_ARGS;
   const int64_t Kp = (K + 1) / 2 * 2;
-  const int per_block = gated ? DP_BLOCK / 2 : DP_BLOCK;
-  const int64_t blocks = (N + per_block - 1) / per_block;
+  const int64_t b0 = dp_block_of(first, role), b1 = dp_block_of(first + rows - 1, role) + 1;
   _Pragma("omp parallel for num_threads(threads) schedule(static)")
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int per_block = role == DP_PLAIN ? DP_BLOCK : DP_BLOCK / 2;
+    const int64_t n0 = b * per_block < first ? first : b * per_block;
+    const int64_t n1 = (b + 1) * per_block < first + rows ? (b + 1) * per_block : first + rows;
     uint16_t* dst = packed + b * Kp * DP_BLOCK;
-    for (int j = 0; j < DP_BLOCK; ++j) {
-      const int64_t n = b * per_block + (gated ? j % per_block : j);
-      const uint16_t* src = n >= N ? 0 : (gated && j >= per_block ? up : w) + n * K;
-      for (int64_t k = 0; k < Kp; ++k) dst[(k / 2 * DP_BLOCK + j) * 2 + k % 2] = src && k < K ? src[k] : 0;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* src = w + (n - first) * ldw;
+      const int j = dp_lane_of(n, role);
+      for (int64_t k = 0; k < Kp; ++k) dst[(k / 2 * DP_BLOCK + j) * 2 + k % 2] = k < K ? src[k] : 0;
     }
+  }
+  return 0;
+}
+
+/* The inverse of dp_pack_weight, exactly: outputs of `role` back into rows out [count, K] (ldo apart): outputs
+ * first .. first + count - 1, or ids[i] where `ids` is given (an embedding lookup in a tied output head). */
+int dp_unpack_weight(const uint16_t* packed, int64_t K, int role, int64_t first, const int64_t* ids, int64_t count,
+                   uint16_t* out, int64_t ldo, int threads) {
+  if (count < 0 || K < 1 || ldo < K || role < DP_PLAIN || role > DP_UP) return DP_BAD_ARGS;
+  const int64_t Kp = (K + 1) / 2 * 2;
+  _Pragma("omp parallel for num_threads(threads) schedule(static)")
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = ids ? ids[i] : first + i;
+    const uint16_t* src = packed + dp_block_of(n, role) * Kp * DP_BLOCK;
+    const int j = dp_lane_of(n, role);
+    uint16_t* dst = out + i * ldo;
+    for (int64_t k = 0; k < K; ++k) dst[k] = src[(k / 2 * DP_BLOCK + j) * 2 + k % 2];
   }
   return 0;
 }
@@ -281,6 +348,14 @@ static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile 
     bg[j] = t->bias ? t->bias[n0 + j] : 0.f;
     bu[j] = t->up_bias ? t->up_bias[n0 + j] : 0.f;
   }
+  if (t->gated == DP_GATED_RAW) { /* gate sums (+ bias) in columns n, up sums (+ bias) in columns N + n */
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < cols; ++j) {
+        dp_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, acc[r][j] + bg[j]);
+        dp_store(t->y, (m + r) * t->ldy + t->N + n0 + j, t->y_bf16, acc[r][half + j] + bu[j]);
+      }
+    return;
+  }
   for (int r = 0; r < rows; ++r) {
     const v16f g = load16_f32(acc[r]) + load16_f32(bg), u = load16_f32(acc[r] + half) + load16_f32(bu);
     const v16f out = g / (splat16(1.f) + exp16(-g)) * u;
@@ -292,13 +367,19 @@ static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile 
   }
 }
 
-/* y = x @ W^T (+ bias) for the packed W of N outputs over K (gated: silu(x @ Wg^T + bias) * (x @ Wu^T +
- * up_bias), N outputs). x [M, K] rows ldx apart, bf16 or fp32; y [M, N] rows ldy apart, bf16 or fp32;
- * xp: scratch for M * Kp bf16. Returns 0, DP_BAD_ARGS, or DP_NO_VARIANT where this CPU cannot run it. */
+/* y = x @ W^T (+ bias) for the packed W of N outputs over K (gated = DP_GATED_SILU: silu(x @ Wg^T + bias) *
+ * (x @ Wu^T + up_bias), N outputs; DP_GATED_RAW: x @ Wg^T + bias and x @ Wu^T + up_bias, 2N outputs). x [M, K]
+ * rows ldx apart, bf16 or fp32; y [M, N] rows ldy apart, bf16 or fp32; xp: scratch for M * Kp bf16. Returns 0,
+ * DP_BAD_ARGS, DP_NO_MEMORY, or DP_NO_VARIANT where this CPU cannot run it.
+ *
+ * Threads split the work by output blocks within a chunk of rows, never by k. Where K is longer than a step
+ * (dp_k_step: a function of K alone), each block's sums for the chunk's rows are carried in fp32 tiles from
+ * one step of pairs to the next, so the step's weights stay in L1 while every row group passes them; the
+ * chain of every output is the one above whatever the steps, chunks or threads. */
 int dp_linear(const void* x, int64_t ldx, int x_bf16, const uint16_t* packed, int64_t N, int64_t K, int gated,
               const float* bias, const float* up_bias, void* y, int64_t ldy, int y_bf16, int64_t M, uint16_t* xp,
               int variant, int threads) {
-  if (M < 0 || N < 1 || K < 1) return DP_BAD_ARGS;
+  if (M < 0 || N < 1 || K < 1 || gated < 0 || gated > DP_GATED_RAW) return DP_BAD_ARGS;
   const dp_rows_fn rows_fn = dp_rows_for(variant);
   if (!rows_fn) return DP_NO_VARIANT;
   if (M == 0) return 0;
@@ -306,25 +387,47 @@ int dp_linear(const void* x, int64_t ldx, int x_bf16, const uint16_t* packed, in
   const int64_t blocks = (N + (gated ? DP_BLOCK / 2 : DP_BLOCK) - 1) / (gated ? DP_BLOCK / 2 : DP_BLOCK);
   int64_t chunk = DP_CHUNK_BYTES / (Kp * 2);
   chunk = chunk < DP_MIN_CHUNK ? DP_MIN_CHUNK : chunk - chunk % DP_ROWS;
+  const int64_t pairs = Kp / 2, step = dp_k_step(pairs);
   const dp_target target = {bias, up_bias, gated, y_bf16, y, ldy, N};
+  int failed = 0;
   _Pragma("omp parallel num_threads(threads)") {
     const unsigned mode = dp_flush_on();
     dp_pack_rows(x, ldx, x_bf16, M, K, Kp, xp, omp_get_thread_num(), omp_get_num_threads());
+    /* the sums of a chunk's rows against one block, carried across its K steps (one tile when K is one step) */
+    dp_tile one, *tiles = step < pairs ? malloc(sizeof(dp_tile) * (chunk / DP_ROWS + 1)) : &one;
+    if (!tiles) {
+      _Pragma("omp atomic write")
+      failed = 1;
+    }
     _Pragma("omp barrier")
-    dp_tile acc;
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    for (int64_t m0 = 0; m0 < M && !failed; m0 += chunk) {
       const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
       _Pragma("omp for schedule(static)")
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t m = m0; m < m1; m += DP_ROWS) {
-          const int rows = m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS;
-          rows_fn(xp + m * Kp, Kp, packed + b * Kp * DP_BLOCK, rows, acc);
-          dp_emit(&target, b, m, rows, acc);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint16_t* w = packed + b * Kp * DP_BLOCK;
+        if (step == pairs) { /* K in one step: each row group's sums go out as soon as they are done */
+          for (int64_t m = m0; m < m1; m += DP_ROWS) {
+            const int rows = m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS;
+            rows_fn(xp + m * Kp, Kp, w, rows, 0, pairs, one);
+            dp_emit(&target, b, m, rows, one);
+          }
+          continue;
         }
+        for (int64_t p0 = 0; p0 < pairs; p0 += step) { /* this step's weights stay in L1 for every row group */
+          const int64_t p1 = p0 + step < pairs ? p0 + step : pairs;
+          for (int64_t m = m0; m < m1; m += DP_ROWS) {
+            const int rows = m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS;
+            rows_fn(xp + m * Kp, Kp, w, rows, p0, p1, tiles[(m - m0) / DP_ROWS]);
+          }
+        }
+        for (int64_t m = m0; m < m1; m += DP_ROWS)
+          dp_emit(&target, b, m, m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS, tiles[(m - m0) / DP_ROWS]);
+      }
     }
+    if (tiles != &one) free(tiles);
     dp_flush_restore(mode);
   }
-  return 0;
+  return failed ? DP_NO_MEMORY : 0;
 }
 
 int dp_block_outputs(void) { return DP_BLOCK; }

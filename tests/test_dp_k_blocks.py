@@ -1,0 +1,77 @@
+"""The pair-dot linear blocked in K (issue 31): every output keeps exactly the unblocked chain.
+
+dp_linear takes K in steps of pairs whose length depends on K alone, carrying each output's fp32 sum from one
+step to the next. The reference here is the plain-C variant of a build with one step for any K
+(-DDP_K_PAIRS=1048576: the chain written in one loop), itself checked against the instruction model of
+test_linear_methods; every variant of the default (blocked) build must give its bits at real sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbrun.engine.backends.cpu.kernels import build_kernels, load_cpu_kernels
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the compiled CPU kernels cannot be built here")
+HAS_ISA = kernels is not None and kernels.dp_variant_runs("isa")
+VARIANTS = [
+    "scalar",
+    "twin",
+    pytest.param("isa", marks=pytest.mark.skipif(not HAS_ISA, reason="this CPU lacks AVX512-BF16")),
+]
+# 0.5B-8B models' hidden and MLP widths (the widest in the slow tier: the scalar reference takes seconds there)
+INNER = (896, 1536, 2048, *(pytest.param(k, marks=pytest.mark.slow) for k in (4864, 8960, 14336)))
+ROWS = (1, 2, 7, 8, 9, 31, 64, 129, 130, 300)  # row groups of 8, chunks of >= 128 rows
+
+
+@pytest.fixture(scope="module")
+def unblocked():
+    try:
+        return build_kernels(("DP_K_PAIRS=1048576",))
+    except Exception as exc:  # no compiler, or a failed build
+        pytest.skip(f"cannot build the CPU kernels here: {exc}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def test_the_unblocked_reference_is_the_instruction_model(unblocked):
+    from test_linear_methods import _instruction_model
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 1536, generator=gen).to(torch.bfloat16)
+    w = torch.randn(40, 1536, generator=gen).to(torch.bfloat16)
+    got = unblocked.dp_linear(x, unblocked.dp_pack(w), 40, 1536, "scalar", out_dtype=torch.float32)
+    assert torch.equal(_bits(got), _bits(_instruction_model(x, w)))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("inner", INNER)
+def test_every_output_keeps_the_unblocked_chain(unblocked, variant, inner):
+    gen = torch.Generator().manual_seed(inner)
+    x = torch.randn(max(ROWS), inner, generator=gen).to(torch.bfloat16)
+    x[3, : inner // 3] *= 1e-36  # sums through the denormal range, where flushing shows
+    w = (torch.randn(64, inner, generator=gen) / inner**0.5).to(torch.bfloat16)
+    bias = torch.randn(64, generator=gen)
+    reference = unblocked.dp_linear(x, unblocked.dp_pack(w), 64, inner, "scalar", bias, out_dtype=torch.float32)
+    packed = kernels.dp_pack(w)
+    for rows in ROWS:
+        got = kernels.dp_linear(x[:rows], packed, 64, inner, variant, bias, out_dtype=torch.float32)
+        assert torch.equal(_bits(got), _bits(reference[:rows])), (variant, inner, rows)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("mode", [True, "raw"])
+def test_gated_outputs_keep_the_unblocked_chain(unblocked, variant, mode):
+    """silu(gate) * up in bf16, and the raw sums, at an 8B model's MLP width with a partial last block."""
+    inner, width = 4096, 40
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(130, inner, generator=gen).to(torch.bfloat16)
+    gate, up = ((torch.randn(width, inner, generator=gen) / 64).to(torch.bfloat16) for _ in range(2))
+    biases = torch.randn(width, generator=gen), torch.randn(width, generator=gen)
+    reference = unblocked.dp_linear(x, unblocked.dp_pack(gate, up), width, inner, "scalar", *biases, gated=mode)
+    got = kernels.dp_linear(x, kernels.dp_pack(gate, up), width, inner, variant, *biases, gated=mode)
+    assert got.dtype == torch.bfloat16 and torch.equal(_bits(got), _bits(reference))
