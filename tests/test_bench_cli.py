@@ -496,3 +496,25 @@ def test_a_random_model_of_a_real_shape_is_built_once_and_loads(tmp_path, monkey
     monkeypatch.undo()
     model, _ = load_model(str(first), dtype="bfloat16", device="cpu")
     assert model.config.model_type == "qwen3" and model.config.num_hidden_layers == 2
+
+
+def test_several_models_plot_speed_and_peak_memory_against_size(
+    tiny_llama_dir, tiny_qwen3_dir, tmp_path, invoke, no_gemm_probe
+):
+    """--model a,b runs each model in turn; the JSON holds one report per model with each engine's peak RSS and
+    the model's size, and --plot draws throughput and memory against size."""
+    pytest.importorskip("matplotlib")
+    target, report = tmp_path / "sizes.png", tmp_path / "sizes.json"
+    models = f"{tiny_llama_dir},{tiny_qwen3_dir}"
+    result = invoke(
+        ["--model", models, "--engine", "cbrun", "--plot", str(target), "--output-json", str(report), *SMALL]
+    )
+    assert result.exit_code == 0, result.output
+    runs = json.loads(report.read_text())["runs"]
+    assert [r["config"]["model_name"] for r in runs] == [str(tiny_llama_dir), str(tiny_qwen3_dir)]
+    for run in runs:
+        assert run["config"]["parameters"] > 0 and run["config"]["parameter_bytes"] > 0
+        (entry,) = run["results"]
+        assert entry["peak_rss_gb"] > 0.05  # at least the interpreter and torch
+    assert target.read_bytes()[:8].startswith(b"\x89PNG")
+    assert result.output.count("peak RSS") >= 2  # the column, in each model's table

@@ -248,6 +248,7 @@ def test_every_kind_of_bad_row_becomes_an_error_row_and_exit_code_is_1(tiny_llam
     err = capsys.readouterr().err
     assert code == 1
     assert "Traceback" not in err and "10 of 12 rows failed" in err
+    assert "weights held" in err and "peak RSS" in err  # the summary says what the model cost in memory
     rows = read_jsonl(out)
     errors = {}
     for row in rows:

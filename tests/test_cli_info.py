@@ -50,3 +50,16 @@ def test_kernels_option_reaches_the_engine_config_and_is_checked():
 def test_info_refuses_an_unknown_policy(capsys):
     assert main(["info", "--kernels", "quick"]) == 2
     assert "--kernels must be portable or fastest" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="the compiled CPU kernels cannot be built here")
+def test_info_with_a_model_reports_the_bytes_held_for_its_weights_and_the_peak_rss(capsys, tiny_qwen3_dir):
+    assert main(["info", "--json", "--model", str(tiny_qwen3_dir), "--dtype", "bfloat16"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["dtype"] == "bfloat16" and model["parameter_bytes"] > 0
+    assert model["parameter_bytes"] <= model["weight_bytes_held"] <= 1.35 * model["parameter_bytes"]  # tiny: padding
+    assert model["peak_rss_bytes"] > model["weight_bytes_held"] and model["load_seconds"] >= 0
+    assert main(["info", "--model", str(tiny_qwen3_dir), "--dtype", "bfloat16"]) == 0
+    text = capsys.readouterr().out
+    assert "of parameters" in text and "held for them" in text and "peak RSS" in text
+    assert main(["info", "--model", "/no/such/model"]) == 2

@@ -116,12 +116,13 @@ def test_packing_a_member_and_reading_it_back_is_exact(role):
     assert torch.equal(_bits(kernels.dp_unpack(packed, inner, role, ids=ids)), _bits(weight[[69, 0, 33]]))
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_a_member_of_a_fused_method_computes_alone_as_in_the_whole(gated):
+@pytest.mark.parametrize(
+    "gated,widths", [(True, [48, 48]), (False, [64, 32, 40]), (False, [40, 32, 24])]
+)  # members on whole blocks (computed from their own blocks) and not (sliced out of the whole)
+def test_a_member_of_a_fused_method_computes_alone_as_in_the_whole(gated, widths):
     from cbrun.engine.backends.cpu.linear_methods import DP_TWIN
 
     gen = torch.Generator().manual_seed(6)
-    widths = [48, 48] if gated else [64, 32, 40]
     weights = [torch.randn(n, 96, generator=gen).to(torch.bfloat16) for n in widths]
     biases = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in widths]
     method = DP_TWIN.make(kernels, weights, biases, gated=gated)
@@ -131,8 +132,8 @@ def test_a_member_of_a_fused_method_computes_alone_as_in_the_whole(gated):
         assert torch.equal(_bits(method.member(index, x, torch.float32)), _bits(alone(x, torch.float32)))
         assert torch.equal(_bits(method.weight(index)), _bits(weight))
     if not gated:
-        whole = method(x, torch.float32)
-        assert torch.equal(_bits(whole[:, 64:96]), _bits(method.member(1, x, torch.float32)))
+        whole, start = method(x, torch.float32), widths[0]
+        assert torch.equal(_bits(whole[:, start : start + widths[1]]), _bits(method.member(1, x, torch.float32)))
 
 
 def test_replacing_a_member_in_place_equals_packing_the_new_weights():

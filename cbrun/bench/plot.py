@@ -1,8 +1,10 @@
 """`cbrun bench --plot FILE`: the run's figures side by side, as a PNG or SVG to paste into an issue or a paper.
 
-One bar per engine (output tokens/s, labelled with its dtype and its ratio to
-cbrun), the machine, the model and the workload in the caption. Needs
-matplotlib (`pip install 'cbrun[plot]'`).
+One model: one bar per engine (output tokens/s, labelled with its dtype and
+its ratio to cbrun). Several models (`--model a,b,c`): output tokens/s and
+peak RSS against the model's size, one line per engine, with the weights'
+own bytes for scale. The machine, the model and the workload in the caption.
+Needs matplotlib (`pip install 'cbrun[plot]'`).
 """
 
 from __future__ import annotations
@@ -76,3 +78,40 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout(rect=(0, 0.12 + 0.02 * len(entries), 1, 1))
     fig.savefig(path, dpi=150)
     plt.close(fig)
+
+
+def plot_sizes(reports: list[dict], path: Path) -> None:
+    """Output tokens/s and peak RSS against parameters, one line per engine, from one report per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted(reports, key=lambda r: r["config"].get("parameters") or 0)
+    sizes = [r["config"].get("parameters", 0) / 1e9 for r in runs]
+    engines = list(dict.fromkeys(e["engine"] for r in runs for e in r["results"]))
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.6))
+    for engine in engines:
+        style = dict(marker="o", color="#3b7dd8" if engine.startswith("cbrun") else "#9a9a9a", label=engine)
+        entries = [_finished(r, engine) for r in runs]
+        points = [(size, e) for size, e in zip(sizes, entries) if e is not None]
+        speed.plot([s for s, _ in points], [e["output_tokens_per_s"] for _, e in points], **style)
+        rss = [(s, e["peak_rss_gb"]) for s, e in points if e.get("peak_rss_gb")]
+        memory.plot([s for s, _ in rss], [g for _, g in rss], **style)
+    memory.plot(sizes, [r["config"].get("parameter_bytes", 0) / 1e9 for r in runs], "k--", linewidth=1, label="weights")
+    for axis, label in ((speed, "output tokens/s"), (memory, "peak RSS, GB")):
+        axis.set_xlabel("parameters, billions")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    speed.set_title("throughput against model size", loc="left", fontsize=10)
+    memory.set_title("memory against model size", loc="left", fontsize=10)
+    names = ", ".join(str(r["config"].get("model_name") or r["config"].get("model")) for r in runs)
+    fig.text(0.01, 0.0, caption(runs[-1]).replace(str(runs[-1]["config"].get("model")), names, 1), fontsize=7)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def _finished(report: dict, engine: str) -> dict | None:
+    return next((e for e in report["results"] if e["engine"] == engine and e.get("status") == "ok"), None)

@@ -88,7 +88,13 @@ def _entry(
     run_dtype: str,
     computed_input_tokens: int | None,
 ) -> dict:
-    entry = {"engine": r.engine, "status": r.status, "reason": r.reason, "dtype": r.dtype or run_dtype}
+    entry = {
+        "engine": r.engine,
+        "status": r.status,
+        "reason": r.reason,
+        "dtype": r.dtype or run_dtype,
+        "peak_rss_gb": r.peak_rss_bytes / 1e9 if r.peak_rss_bytes else None,
+    }
     if not r.ok:
         return entry
     ratio = r.output_tokens_per_s / cbrun.output_tokens_per_s if cbrun and cbrun.output_tokens_per_s else None
@@ -127,6 +133,7 @@ TABLE_COLUMNS = [  # (header, key, digits)
     ("out vs cbrun", "ratio_to_cbrun", 2),
     ("ceiling {dtype}", "compute_ceiling_fraction_run_dtype", 3),  # of the GEMM rate in the dtype the engines ran
     ("out tokens", "num_output_tokens", 0),
+    ("peak RSS GB", "peak_rss_gb", 2),
 ]
 
 

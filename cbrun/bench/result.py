@@ -29,6 +29,7 @@ class PeerResult:
     output_counts: list[int] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    peak_rss_bytes: int | None = None  # while the engine ran: this process's, or vLLM's processes' summed
     details: dict = field(default_factory=dict)  # engine-specific figures (cbrun stats, configs used)
 
     @property

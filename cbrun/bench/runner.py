@@ -6,6 +6,7 @@ import gc
 import traceback
 
 from cbrun.bench.ceiling import measure_ceiling
+from cbrun.bench.memory import PeakRss
 from cbrun.bench.peers import PeerContext, peer_runner
 from cbrun.bench.report import build_report, machine_info
 from cbrun.bench.result import PeerResult, PeerUnavailable, count_check
@@ -20,7 +21,10 @@ def run_bench(
     An engine that cannot run here is reported "unavailable"; one that raises
     is reported "failed" with its error; neither stops the others.
     """
-    results = [_run_one(name, ctx, workload, warmup) for name in engines]
+    results = []
+    for position, name in enumerate(engines):
+        ctx.model_needed_later = model_needed_after(engines[position + 1 :], ctx.model_spec)
+        results.append(_run_one(name, ctx, workload, warmup))
     checks = output_checks(results, workload)
     ceiling = None
     if with_ceiling:
@@ -38,8 +42,10 @@ def _run_one(name: str, ctx: PeerContext, workload: Workload, warmup: Workload) 
         f"{workload.num_input_tokens} input tokens, up to {workload.max_output_tokens} output tokens"
     )
     attention = getattr(ctx.model.config, "_attn_implementation", None)
+    memory = PeakRss()
     try:
-        result = peer_runner(name)(ctx, workload, warmup)
+        with memory:
+            result = peer_runner(name)(ctx, workload, warmup)
     except PeerUnavailable as e:
         result = PeerResult(name, status="unavailable", reason=str(e))
     except Exception as e:  # a broken peer must not hide the others' figures
@@ -49,11 +55,25 @@ def _run_one(name: str, ctx: PeerContext, workload: Workload, warmup: Workload) 
         if attention and getattr(ctx.model.config, "_attn_implementation", None) != attention:
             ctx.model.set_attn_implementation(attention)
     gc.collect()
+    in_children = name == "vllm" and memory.children > 0  # vLLM's own processes (unless it ran in this one)
+    result.peak_rss_bytes = memory.children if in_children else memory.own
     if result.ok:
         ctx.progress.message(f"[bench] {name}: {result.wall_s:.2f}s, {result.output_tokens_per_s:.1f} output tokens/s")
     else:
         ctx.progress.message(f"[bench] {name}: {result.status}: {result.reason}")
     return result
+
+
+def model_needed_after(later: list[str], model_spec: str) -> bool:
+    """Whether an engine still to run reads the loaded model's weights: every in-process peer does, and vLLM
+    does when it has no checkpoint directory to load (it is given an export of the loaded model). Otherwise
+    cbrun frees its packed weights at the end instead of giving the model a dense copy back (an 8B model
+    and vLLM's own copy of it would not fit one machine)."""
+    from pathlib import Path
+
+    spec = Path(model_spec).expanduser()
+    has_checkpoint = spec.is_dir() and (spec / "config.json").is_file() and any(spec.glob("*.safetensors"))
+    return any(name != "vllm" or not has_checkpoint for name in later)
 
 
 def output_checks(results: list[PeerResult], workload: Workload) -> dict[str, str | None]:

@@ -18,9 +18,8 @@ from cbrun.cli.common import EXIT_OK, EXIT_ROWS_FAILED, CliError, load_model, qu
 
 def bench(opts: BenchOptions) -> int:
     """Measure cbrun against peer engines on the same requests: one table, one run, one machine."""
-    from cbrun.bench.peers import PEER_NAMES, PeerContext, Progress
+    from cbrun.bench.peers import PEER_NAMES, Progress
     from cbrun.bench.report import print_report
-    from cbrun.bench.runner import run_bench
 
     quiet_libraries(opts.quiet)
     engines = [e.strip() for e in opts.engine.split(",") if e.strip()]
@@ -51,7 +50,34 @@ def bench(opts: BenchOptions) -> int:
         except PlotError as exc:
             raise CliError(str(exc)) from None
     progress = Progress(quiet=opts.quiet)
-    model = opts.model
+    specs = [m.strip() for m in opts.model.split(",") if m.strip()]
+    if not specs:
+        raise CliError("--model: no model named")
+    reports = []
+    for spec in specs:  # one model at a time: each freed before the next loads
+        report = _bench_model(spec, opts, engines, progress, cb_overrides, engine_config)
+        print_report(report)
+        reports.append(report)
+    if opts.output_json is not None:
+        document = reports[0] if len(reports) == 1 else {"runs": reports}
+        opts.output_json.write_text(json.dumps(document, indent=2, default=str) + "\n")
+    if opts.plot is not None:
+        from cbrun.bench.plot import plot as draw, plot_sizes
+
+        if len(reports) == 1:
+            draw(reports[0], opts.plot)
+        else:
+            plot_sizes(reports, opts.plot)
+    failed = any(e["status"] == "failed" for report in reports for e in report["results"])
+    return EXIT_ROWS_FAILED if failed else EXIT_OK
+
+
+def _bench_model(spec: str, opts: BenchOptions, engines: list[str], progress, cb_overrides: dict, engine_config):
+    """Load one model, run every engine on its workload, and return the report."""
+    from cbrun.bench.peers import PeerContext
+    from cbrun.bench.runner import run_bench
+
+    model = spec
     if is_random(model):  # a real architecture at a real size, random weights, saved once for every engine
         progress.message(f"[bench] building {model} (once; cached)")
         try:
@@ -66,6 +92,9 @@ def bench(opts: BenchOptions) -> int:
         progress.message(f"[bench] {len(skipped)} dataset rows skipped, first: {skipped[0]}")
     config = {
         "model": model,
+        "model_name": spec,
+        "parameters": sum(p.numel() for p in model_obj.parameters()),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in model_obj.parameters()),
         "revision": opts.revision,
         "engines": engines,
         "dtype": opts.dtype.value,
@@ -107,15 +136,7 @@ def bench(opts: BenchOptions) -> int:
         progress=progress,
         dashboard=None if opts.quiet else _dashboard(),
     )
-    report = run_bench(engines, ctx, workload, warmup, config)
-    print_report(report)
-    if opts.output_json is not None:
-        opts.output_json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    if opts.plot is not None:
-        from cbrun.bench.plot import plot as draw
-
-        draw(report, opts.plot)
-    return EXIT_ROWS_FAILED if any(e["status"] == "failed" for e in report["results"]) else EXIT_OK
+    return run_bench(engines, ctx, workload, warmup, config)
 
 
 def _cb_overrides(text: str | None) -> dict:

@@ -13,7 +13,7 @@ import json
 import platform
 import sys
 from importlib import metadata
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -110,16 +110,58 @@ def gather(policy: str = "portable") -> dict:
     return info
 
 
+def gather_model(spec: str, dtype: str, policy: str = "portable") -> dict:
+    """What a model costs here: its parameters' bytes, the bytes the engine holds for them once started (the CPU
+    backend's packed matrices and what the model keeps), load and start-up seconds, and the peak RSS."""
+    import time
+
+    from cbrun.engine import Engine, EngineConfig
+    from cbrun.models import load_model
+    from cbrun.process_memory import peak_rss_bytes
+
+    started = time.perf_counter()
+    model, tokenizer = load_model(spec, dtype, "cpu")
+    loaded = time.perf_counter()
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    with Engine(model, tokenizer, EngineConfig(num_blocks=16, kernels=policy)) as engine:  # type: ignore[arg-type]
+        ready = time.perf_counter()
+        held = engine.weight_bytes()
+        linear_kernels = engine.linear_kernels()
+    return {
+        "model": spec,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "parameter_bytes": parameters,
+        "weight_bytes_held": held,
+        "load_seconds": round(loaded - started, 2),
+        "engine_start_seconds": round(ready - loaded, 2),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "linear_kernels": linear_kernels,
+    }
+
+
 def info(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
     kernels: Annotated[str, typer.Option(help="The kernel policy to show: portable or fastest.")] = "portable",
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model",
+            "-m",
+            help="Also load this model and start an engine on it: bytes of its parameters and of the weights held, "
+            "load and start-up time, peak RSS.",
+        ),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="The dtype to load --model in (as generate's --dtype).")] = "auto",
 ) -> int:
-    """Show the CPU, the kernel build, each dtype's linear method and its self-check, and versions."""
+    """Show the CPU, the kernel build, each dtype's linear method and its self-check, and versions (with --model,
+    what that model costs here)."""
     from cbrun.cli.common import CliError
 
     if kernels not in ("portable", "fastest"):
         raise CliError(f"--kernels must be portable or fastest, got {kernels!r}")
     data = gather(kernels)
+    if model is not None:
+        data["model"] = _gather_model_or_fail(model, dtype, kernels)
     if as_json:
         print(json.dumps(data, indent=2))
         return 0
@@ -158,4 +200,32 @@ def info(
     auto = data["dtype_auto_cpu"]
     print(f"dtype auto {auto['dtype']} on CPU: {auto['why']}", file=out)
     print(f"cache      {built['self_check_cache']}", file=out)
+    if "model" in data:
+        _print_model(data["model"], out)
     return 0
+
+
+def _gather_model_or_fail(spec: str, dtype: str, policy: str) -> dict:
+    from cbrun.cli.common import CliError, first_line
+    from cbrun.models import ModelLoadError
+
+    try:
+        return gather_model(spec, dtype, policy)
+    except ModelLoadError as exc:
+        raise CliError(first_line(exc)) from None
+
+
+def _print_model(model: dict, out) -> None:
+    from cbrun.process_memory import format_bytes
+
+    params, held = model["parameter_bytes"], model["weight_bytes_held"]
+    print(
+        f"model      {model['model']} ({model['dtype']}): {format_bytes(params)} of parameters, "
+        f"{format_bytes(held)} held for them ({held / params:.2f}x)",
+        file=out,
+    )
+    print(
+        f"{'':<11}loaded in {model['load_seconds']:.1f} s, engine ready {model['engine_start_seconds']:.1f} s later; "
+        f"peak RSS {format_bytes(model['peak_rss_bytes'])}; linear kernels {model['linear_kernels']}",
+        file=out,
+    )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 from cbrun.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROWS_FAILED, CliError, first_line, load_model
+from cbrun.process_memory import format_bytes, peak_rss_bytes
 
 if TYPE_CHECKING:
     from cbrun.cli.output_target import OutputTarget
@@ -91,7 +92,7 @@ def run_local_job(
             dashboard = None if opts.quiet else _dashboard(engine, progress, title)
             _run_to_end(job, writer, dashboard)
         finally:
-            engine.destroy()
+            engine.destroy(give_back_weights=False)  # the model is not used again: no second copy at exit
     return _report(progress, dashboard, target, shard)
 
 
@@ -144,6 +145,8 @@ def _dashboard(engine, progress: JobProgress, title: str):
     dashboard = Dashboard(engine.stats, progress, stream=sys.stderr, title=title)
     if hasattr(engine, "linear_kernels"):
         dashboard.notes.append(("linear kernels", engine.linear_kernels()))
+    if hasattr(engine, "weight_bytes"):
+        dashboard.notes.append(("weights held", format_bytes(engine.weight_bytes())))
     return dashboard
 
 
@@ -215,6 +218,7 @@ def _report(progress: JobProgress, dashboard, target: OutputTarget, shard=None) 
         extra = [("output", where if shard is None else target.where)]
         if shard is not None:
             extra.append(("shard", shard.describe()))
+        extra.append(("peak RSS", format_bytes(peak_rss_bytes())))
         dashboard.print_summary(extra)
         dashboard.note(line)
     return code

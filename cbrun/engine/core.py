@@ -112,12 +112,13 @@ class EngineCore:
             self.spec.kv.dtype,
         )
 
-    def close(self) -> None:
-        """Give the model back as it came, apart from its attention implementation."""
-        self.backend.close()
-        if self._stash is not None:  # closed asleep at level 2: the weights go back into the model
+    def close(self, give_back_weights: bool = True) -> None:
+        """Give the model back as it came, apart from its attention implementation; without `give_back_weights`
+        (a caller that discards the model) the weights the backend holds are only freed."""
+        self.backend.close(restore=give_back_weights)
+        if self._stash is not None and give_back_weights:  # closed asleep at level 2: the weights go back
             self._stash.restore()
-            self._stash = None
+        self._stash = None
         if self._masks is not None:
             self._masks.close()
 

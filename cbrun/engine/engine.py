@@ -455,14 +455,16 @@ class Engine:
                 self.core.finish(request, RequestStatus.FAILED, "error", message)
             self._deliver_finished(request)
 
-    def destroy(self) -> None:
-        """Stop now and release the cache memory."""
+    def destroy(self, give_back_weights: bool = True) -> None:
+        """Stop now and release the cache memory. The model gets its own weights back, bit for bit (the CPU
+        backend held them in its packed layout); a caller done with the model passes give_back_weights=False
+        and the packed weights are freed instead (no second copy is made)."""
         if self._thread.is_alive():
             self.stop(hard=True)
         with self._lock, self._inbox_cond:
             self._closed = True
             self.core.store.data = None
-            self.core.close()
+            self.core.close(give_back_weights)
 
     def __enter__(self) -> Engine:
         return self

@@ -55,6 +55,7 @@ class PeerContext:
     transformers_cb_config: dict = field(default_factory=dict)
     progress: Progress = field(default_factory=Progress)
     dashboard: Callable | None = None  # cbrun only: dashboard(engine) -> context manager
+    model_needed_later: bool = True  # a later engine reads the model's weights (runner.model_needed_after)
 
 
 def peer_runner(name: str) -> Callable[[PeerContext, Workload, Workload], PeerResult]:

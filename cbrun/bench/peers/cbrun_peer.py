@@ -44,7 +44,7 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
         after = engine.stats()
     finally:
         engine.stop(hard=True)
-        engine.destroy()
+        engine.destroy(give_back_weights=ctx.model_needed_later)
     result.details["stats"] = stats_delta(before, after)
     result.details["engine_config"] = _config_dict(ctx.engine_config)
     return result

@@ -54,8 +54,9 @@ class Backend(Protocol):
         """Patch what the backend runs itself into the model, and decide what applies to it."""
         ...
 
-    def close(self) -> None:
-        """Give the model back as it came (apart from its attention implementation)."""
+    def close(self, restore: bool = True) -> None:
+        """Give the model back as it came (apart from its attention implementation); restore=False: the caller
+        discards the model, so weights held in the backend's own layout are freed, not given back."""
         ...
 
     def load_weights(self, model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> int:
@@ -184,7 +185,7 @@ class TorchBackend:
     def install(self, model: CausalLM, spec: ModelSpec) -> None:
         """Patch what the backend runs itself into the model (nothing for torch)."""
 
-    def close(self) -> None:
+    def close(self, restore: bool = True) -> None:
         """Give the model back as it came (apart from its attention implementation)."""
 
     def load_weights(self, model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> int:

@@ -77,10 +77,11 @@ class CpuBackend(TorchBackend):
         )
         self.metadata_builder = metadata_builder_for(self.plan_rows if self.attends_rows else None)
 
-    def close(self) -> None:
-        """Give the model its dense weights and its own forwards back (bit for bit, one method at a time)."""
+    def close(self, restore: bool = True) -> None:
+        """Give the model its dense weights and its own forwards back (bit for bit, one method at a time), or
+        (restore=False) only free the packed weights."""
         if self.held is not None:
-            self.held.restore()
+            self.held.restore(weights=restore)
         self.linears, self.fused_layers, self.held = {}, [], None
 
     def load_weights(self, model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> int:

@@ -70,9 +70,10 @@ class HeldWeights:
         parameter.data = torch.zeros((), dtype=old.dtype).expand(old.shape)  # the shape, and no memory behind it
         _release_pages(old, self._mapped)
 
-    def restore(self) -> None:
+    def restore(self, weights: bool = True) -> None:
         """Give every module its dense weight back (read out of its method, bit for bit) and its own forward;
-        each method's storage is freed as soon as its members are out."""
+        each method's storage is freed as soon as its members are out. weights=False: the model is being
+        discarded; the methods' storage is freed and the dropped weights stay empty."""
         by_method: dict[int, list[tuple[torch.nn.Linear, int]]] = {}
         methods: dict[int, LayerMethod] = {}
         for module, (method, member) in self.holders.items():
@@ -80,7 +81,7 @@ class HeldWeights:
             methods[id(method)] = method
         for key, members in by_method.items():
             method = methods[key]
-            if method.owns_weights:
+            if method.owns_weights and weights:
                 for module, member in members:
                     if module.weight.stride() == (0, 0):  # dropped (a kept tied copy is still whole)
                         module.weight.data = method.weight(member)

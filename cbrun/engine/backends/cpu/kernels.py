@@ -264,6 +264,7 @@ class CpuKernels:
         self.max_gd = int(library.paged_attend_max_gd())
         self.segment = int(library.paged_attend_segment())  # keys per online-softmax segment
         self.max_segments = int(library.linear_max_segments())
+        self.dp_block_outputs = int(library.dp_block_outputs())  # outputs per packed block (DP_BLOCK)
         self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
         from cbrun.engine.backends.cpu.attention_variant import choose_attention_dp_variant
 

@@ -238,6 +238,23 @@ class _PairDotLinear:
 
     def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        start, width = self.starts[index], self.widths[index]
+        block = self.kernels.dp_block_outputs
+        if not self.gated and start % block == 0:  # its own blocks: computed alone, the same chains
+            per_block = (self.inner + self.inner % 2) * block
+            bias = self.bias[start : start + width] if self.bias is not None else None
+            out = self.kernels.dp_linear(
+                rows,
+                self.packed[start // block * per_block :],
+                width,
+                self.inner,
+                self.variant,
+                bias,
+                None,
+                False,
+                out_dtype,
+            )  # [M, N_index]
+            return out.view(*x.shape[:-1], width)
         mode = "raw" if self.gated else False  # gated: both sums side by side [M, 2N]
         out = self.kernels.dp_linear(
             rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, mode, out_dtype
