@@ -23,7 +23,10 @@
  * holds). Neither the width nor the step changes a chain, so every width
  * gives the same bits. Rows are taken in blocks of at most BLOCK_BYTES of
  * packed x, so the panels of a block stay in L2 while every weight tile
- * passes them.
+ * passes them. Where K is long (an 8B model's 14336-wide down projection),
+ * K is taken in steps that depend on K alone: a tile's slice of one step
+ * passes every panel of the block, and each output's sum is carried in fp32
+ * to the next step, so the chain is still the one above.
  *
  * Weights come from memory on every call (a model's weights do not fit in
  * cache), so while a tile's first step runs, the tile LIN_PF ahead is
@@ -49,7 +52,10 @@
 
 #define LIN_PF 2               /* tiles ahead to prefetch */
 #define MAX_SEGMENTS 8         /* weights in one linear_rows call */
-#define BLOCK_BYTES (384 << 10) /* packed x per row block: stays in L2 while the weight tiles pass */
+#define BLOCK_BYTES (384 << 10) /* packed x per row block (one K step of it): stays in L2 while the weight tiles pass */
+#ifndef LIN_K_STEP
+#define LIN_K_STEP 1024 /* floats of k per step at most: a tile's slice (TILE_NR x 4 KiB at most) stays in L1/L2 */
+#endif
 #define LIN_BAD_ARGS (-1)
 #define LIN_NO_MEMORY (-2)
 
@@ -121,35 +127,51 @@ static inline void tile_as_f32(const void* const* rows, int w_bf16, int64_t K, f
 }
 
 /* One weight tile against the panels [p0, p1) of x, a step (STEP_PANELS panels) at a time, handing each
- * block of products to emit. */
+ * block of products to emit. With K longer than one K step (lin_k_step: a function of K alone), the tile's
+ * rows are taken a K step at a time over every step of panels (that slice of the tile stays in L1 while the
+ * panels pass), each step's sums carried in `sums` [steps of the block] between K steps. */
 static inline __attribute__((always_inline)) void tile_times_panels(const float* xp, int64_t p0, int64_t p1,
-                                                                    int64_t M, int64_t K, const float* const* w,
+                                                                    int64_t M, int64_t K, int64_t k_step,
+                                                                    const float* const* w,
                                                                     const float* const* next, emit_fn emit,
-                                                                    const tile_target* target) {
-  tile_block out = {{0}};
-  for (int64_t p = p0; p < p1; p += STEP_PANELS) {
-    int64_t real = M - p * PANEL < STEP ? M - p * PANEL : STEP;
-    real = real < (p1 - p) * PANEL ? real : (p1 - p) * PANEL; /* a step never runs past its block */
-    const float* const* ahead = p == p0 ? next : 0;
-    if (real <= VEC) panel_dots_half(xp + p * PANEL * K, w, ahead, K, out);
-    else panel_dots(xp + p * PANEL * K, w, ahead, K, out);
-    emit(target, p * PANEL, (int)real, out);
+                                                                    const tile_target* target, tile_block* sums) {
+  for (int64_t k0 = 0; k0 < K; k0 += k_step) {
+    const int64_t k1 = k0 + k_step < K ? k0 + k_step : K;
+    for (int64_t p = p0; p < p1; p += STEP_PANELS) {
+      int64_t real = M - p * PANEL < STEP ? M - p * PANEL : STEP;
+      real = real < (p1 - p) * PANEL ? real : (p1 - p) * PANEL; /* a step never runs past its block */
+      const float* const* ahead = p == p0 ? next : 0;
+      tile_block* out = sums + (p - p0) / STEP_PANELS;
+      if (real <= VEC) panel_dots_half(xp + p * PANEL * K, w, ahead, K, k0, k1, *out);
+      else panel_dots(xp + p * PANEL * K, w, ahead, K, k0, k1, *out);
+      if (k1 == K) emit(target, p * PANEL, (int)real, *out);
+    }
   }
 }
 
+/* Floats of k per K step: the same for every call at that K (it depends on K alone), as even as steps of at
+ * most LIN_K_STEP allow. One step (the whole of K) up to LIN_K_STEP. */
+static inline int64_t lin_k_step(int64_t K) {
+  const int64_t steps = (K + LIN_K_STEP - 1) / LIN_K_STEP;
+  return (K + steps - 1) / steps;
+}
+
 /* Both entry points: pack x's panels (threads share the work), then per block of panels split the weight
- * tiles between the threads, each tile against the block while the tile LIN_PF ahead is prefetched. */
+ * tiles between the threads, each tile against the block while the tile LIN_PF ahead is prefetched. A block
+ * holds as many panels as keep one K step of them in L2 (the whole of K when K is one step). */
 static int run_tiles(const void* x, int64_t ldx, int x_bf16, int w_bf16, int64_t M, int64_t K, float* xp,
                      int threads, int64_t tiles, const void* call, tile_fn tile_rows, emit_fn emit) {
   const int64_t panels = (M + PANEL - 1) / PANEL;
-  int64_t block = BLOCK_BYTES / (PANEL * K * (int64_t)sizeof(float));
+  const int64_t k_step = lin_k_step(K);
+  int64_t block = BLOCK_BYTES / (PANEL * k_step * (int64_t)sizeof(float));
   block = block < 2 ? 2 : block;
   block -= block % STEP_PANELS; /* whole steps: only the last panel of x ever runs alone */
   int failed = 0;
   _Pragma("omp parallel num_threads(threads)") {
     pack_panels(x, ldx, x_bf16, M, K, xp, omp_get_thread_num(), omp_get_num_threads());
     float* buffer = w_bf16 ? malloc(sizeof(float) * TILE_NR * K) : 0;
-    if (w_bf16 && !buffer) {
+    tile_block* sums = malloc(sizeof(tile_block) * (block / STEP_PANELS + 1));
+    if ((w_bf16 && !buffer) || !sums) {
       _Pragma("omp atomic write")
       failed = 1;
     }
@@ -167,10 +189,11 @@ static int run_tiles(const void* x, int64_t ldx, int x_bf16, int w_bf16, int64_t
           tile_as_f32(rows, w_bf16, K, buffer, w);
           const int prefetch = next_rows[0] && !w_bf16;
           for (int j = 0; j < TILE_NR && prefetch; ++j) next[j] = next_rows[j];
-          tile_times_panels(xp, p0, p1, M, K, w, prefetch ? next : 0, emit, &target);
+          tile_times_panels(xp, p0, p1, M, K, k_step, w, prefetch ? next : 0, emit, &target, sums);
         }
       }
     free(buffer);
+    free(sums);
   }
   return failed ? LIN_NO_MEMORY : 0;
 }

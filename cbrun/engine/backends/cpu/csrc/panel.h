@@ -58,22 +58,23 @@ static inline void prefetch_line(const float* const* ahead, int64_t k) {
   ((xp) + ((h) * VEC / PANEL) * (panel_floats) + (k) * PANEL + (h) * VEC % PANEL)
 
 /* out[j][i] for the STEP rows packed at xp (STEP_PANELS panels [K][PANEL] one after another) against
- * the TILE_NR weight rows w ([K] each), VECS = 2 vectors of rows (a whole step) or 1 (its first VEC
- * rows; out[j][VEC..] untouched). Every lane is one multiply-add chain over k = 0 .. K-1 from zero:
- * the same bits for a row whichever panel, lane, width or variant computes it (linear.c's batch
- * invariance rests on this). */
+ * the TILE_NR weight rows w ([K] each) over k = k0 .. k1 - 1, continuing the sums in `out` (from zero where
+ * k0 = 0); VECS = 2 vectors of rows (a whole step) or 1 (its first VEC rows; out[j][VEC..] untouched).
+ * Every lane is one multiply-add chain over k = 0 .. K-1 from zero, carried exactly between calls (an fp32
+ * value stored and loaded is itself): the same bits for a row whichever panel, lane, width, K step or
+ * variant computes it (linear.c's batch invariance rests on this). */
 #define DEFINE_PANEL_DOTS(NAME, VECS)                                                                   \
   static inline __attribute__((always_inline)) void NAME(const float* xp, const float* const* w,        \
                                                          const float* const* ahead, int64_t K,           \
-                                                         tile_block out) {                               \
+                                                         int64_t k0, int64_t k1, tile_block out) {       \
     const int64_t panel_floats = PANEL * K;                                                              \
     vNf acc[TILE_NR][VECS];                                                                              \
     for (int j = 0; j < TILE_NR; ++j)                                                                    \
-      for (int h = 0; h < VECS; ++h) acc[j][h] = splatN(0.f);                                            \
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {                                                             \
-      if (ahead) prefetch_line(ahead, k0);                                                               \
-      const int64_t k1 = k0 + 16 < K ? k0 + 16 : K;                                                      \
-      for (int64_t k = k0; k < k1; ++k) {                                                                \
+      for (int h = 0; h < VECS; ++h) acc[j][h] = k0 ? loadN_f32(out[j] + VEC * h) : splatN(0.f);         \
+    for (int64_t kb = k0; kb < k1; kb += 16) {                                                           \
+      if (ahead) prefetch_line(ahead, kb);                                                               \
+      const int64_t ke = kb + 16 < k1 ? kb + 16 : k1;                                                    \
+      for (int64_t k = kb; k < ke; ++k) {                                                                \
         vNf xv[VECS];                                                                                    \
         for (int h = 0; h < VECS; ++h) {                                                                 \
           xv[h] = loadN_f32(STEP_VECTOR(xp, panel_floats, k, h));                                        \

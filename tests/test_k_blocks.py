@@ -1,9 +1,10 @@
-"""The pair-dot linear blocked in K (issue 31): every output keeps exactly the unblocked chain.
+"""The linear kernels blocked in K (issue 31): every output keeps exactly the unblocked chain.
 
-dp_linear takes K in steps of pairs whose length depends on K alone, carrying each output's fp32 sum from one
-step to the next. The reference here is the plain-C variant of a build with one step for any K
-(-DDP_K_PAIRS=1048576: the chain written in one loop), itself checked against the instruction model of
-test_linear_methods; every variant of the default (blocked) build must give its bits at real sizes.
+dp_linear (bf16 pairs) and linear_rows/gated_silu (fp32 chains) take K in steps whose length depends on K
+alone, carrying each output's fp32 sum from one step to the next. The references are builds with one step for
+any K (-DDP_K_PAIRS=1048576 -DLIN_K_STEP=1073741824: each chain written in one loop); for bf16 its plain-C
+variant, itself checked against the instruction model of test_linear_methods. Every variant of the default
+(blocked) build must give their bits at real sizes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ ROWS = (1, 2, 7, 8, 9, 31, 64, 129, 130, 300)  # row groups of 8, chunks of >= 1
 @pytest.fixture(scope="module")
 def unblocked():
     try:
-        return build_kernels(("DP_K_PAIRS=1048576",))
+        return build_kernels(("DP_K_PAIRS=1048576", "LIN_K_STEP=1073741824"))
     except Exception as exc:  # no compiler, or a failed build
         pytest.skip(f"cannot build the CPU kernels here: {exc}")
 
@@ -75,3 +76,20 @@ def test_gated_outputs_keep_the_unblocked_chain(unblocked, variant, mode):
     reference = unblocked.dp_linear(x, unblocked.dp_pack(gate, up), width, inner, "scalar", *biases, gated=mode)
     got = kernels.dp_linear(x, kernels.dp_pack(gate, up), width, inner, variant, *biases, gated=mode)
     assert got.dtype == torch.bfloat16 and torch.equal(_bits(got), _bits(reference))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inner", INNER)
+def test_fp32_chains_keep_the_unblocked_chain(unblocked, dtype, inner):
+    """linear.c's fp32 chains (fp32 or bf16 weights, widened) at real K: q|k|v side by side and gated silu."""
+    gen = torch.Generator().manual_seed(inner + 1)
+    x = torch.randn(max(ROWS), inner, generator=gen).to(dtype)
+    weights = [(torch.randn(n, inner, generator=gen) / inner**0.5).to(dtype) for n in (40, 24)]
+    biases = [torch.randn(n, generator=gen).to(dtype) for n in (40, 24)]
+    side = unblocked.linear_many(x, weights, biases, torch.float32)
+    gated = unblocked.gated_silu(x, weights[0], weights[0].flip(0), biases[0], biases[0])
+    for rows in ROWS:
+        got = kernels.linear_many(x[:rows], weights, biases, torch.float32)
+        assert torch.equal(_bits(got), _bits(side[:rows])), (dtype, inner, rows)
+        got = kernels.gated_silu(x[:rows], weights[0], weights[0].flip(0), biases[0], biases[0])
+        assert torch.equal(_bits(got), _bits(gated[:rows])), (dtype, inner, rows)
