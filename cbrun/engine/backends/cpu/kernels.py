@@ -216,6 +216,7 @@ _SIGNATURES = {
     "dp_variant_runs": (_INT, [_INT]),
     "dp_packed_size": (_I64, [_I64, _I64, _INT]),
     "dp_pack_weight": (_INT, [_P, _I64, _I64, _I64, _INT, _I64, _P, _INT]),
+    "dp_zero_blocks": (_INT, [_P, _I64, _I64, _INT]),
     "dp_unpack_weight": (_INT, [_P, _I64, _INT, _I64, _P, _I64, _P, _I64, _INT]),
     "dp_linear": (_INT, [_P, _I64, _INT, _P, _I64, _I64, _INT, _P, _P, _P, _I64, _INT, _I64, _P, _INT, _INT]),
     "dp_block_outputs": (_INT, []),
@@ -513,7 +514,11 @@ class CpuKernels:
 
     def dp_packed(self, outputs: int, inner: int, gated: bool = False) -> torch.Tensor:
         """An empty packed matrix (zeros): `outputs` outputs of `inner` inputs (gated: that many gate and up rows)."""
-        return torch.zeros(self._lib.dp_packed_size(outputs, inner, int(gated)), dtype=torch.int16)
+        size = self._lib.dp_packed_size(outputs, inner, int(gated))
+        packed = torch.empty(size, dtype=torch.int16)
+        blocks = size // ((inner + inner % 2) * self.dp_block_outputs)
+        _check(self._lib.dp_zero_blocks(_ptr(packed), blocks, inner, torch.get_num_threads()), "dp_packed")
+        return packed  # zeros, each block first touched by the thread that computes it
 
     def dp_pack_into(
         self, packed: torch.Tensor, inner: int, weight: torch.Tensor, role: str = "plain", first: int = 0

@@ -237,6 +237,17 @@ int64_t dp_packed_size(int64_t N, int64_t K, int gated) {
   return (N + per_block - 1) / per_block * ((K + 1) / 2 * 2) * DP_BLOCK;
 }
 
+/* A new packed matrix of `blocks` blocks of K inputs, zeroed block by block by the threads that will compute
+ * those blocks (dp_linear's static split of blocks over the same number of threads): on a machine of several
+ * NUMA nodes, with threads bound to cores, each block's pages are first touched, so placed, where they are read. */
+int dp_zero_blocks(uint16_t* packed, int64_t blocks, int64_t K, int threads) {
+  if (blocks < 1 || K < 1) return DP_BAD_ARGS;
+  const int64_t Kp = (K + 1) / 2 * 2;
+  _Pragma("omp parallel for num_threads(threads) schedule(static)")
+  for (int64_t b = 0; b < blocks; ++b) memset(packed + b * Kp * DP_BLOCK, 0, Kp * DP_BLOCK * sizeof(uint16_t));
+  return 0;
+}
+
 /* Rows w [rows, K] bf16 (rows ldw apart) become outputs first .. first + rows - 1 of `role` in `packed` (a
  * matrix of K inputs): only those outputs' lanes are written (the pad element of an odd K as zero), so the
  * members of a fused matrix (q|k|v, gate and up) are packed, and later replaced, one at a time, each
