@@ -76,6 +76,17 @@ def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> in
     Every name and shape is checked before anything is written. Names not
     given keep their values (a partial update is allowed).
     """
+    targets = checked_targets(model, tensors)
+    with torch.no_grad():
+        for name, value in tensors.items():
+            targets[name].copy_(value)  # converts dtype and device
+    return len(tensors)
+
+
+def checked_targets(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name (`model.state_dict()`'s names, the tensors themselves), once
+    every name in `tensors` is known and every shape matches; raises KeyError or ValueError naming the first
+    that does not, before anything is written."""
     targets = model.state_dict(keep_vars=True)  # name -> the Parameter or buffer itself
     unknown = [name for name in tensors if name not in targets]
     if unknown:
@@ -86,10 +97,7 @@ def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> in
             raise ValueError(
                 f"{name}: shape {tuple(value.shape)} does not match the model's {tuple(targets[name].shape)}"
             )
-    with torch.no_grad():
-        for name, value in tensors.items():
-            targets[name].copy_(value)  # converts dtype and device
-    return len(tensors)
+    return targets
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod
-from cbrun.engine.weights import model_weight_bytes
+from cbrun.engine.weights import checked_targets, model_weight_bytes
 
 _MADV_DONTNEED = 4
 
@@ -94,16 +94,7 @@ class HeldWeights:
         """Copy new weights (name -> tensor, names of `model.state_dict()`) in: a held linear's weight or bias
         straight into its method, anything else into the model. Every name and shape is checked before
         anything is written; names not given keep their values. Returns how many were written."""
-        targets = self.model.state_dict(keep_vars=True)  # name -> the Parameter or buffer itself
-        unknown = [name for name in tensors if name not in targets]
-        if unknown:
-            shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-            raise KeyError(f"not a weight of this model: {shown} (names are those of model.state_dict())")
-        for name, value in tensors.items():
-            if tuple(value.shape) != tuple(targets[name].shape):
-                raise ValueError(
-                    f"{name}: shape {tuple(value.shape)} does not match the model's {tuple(targets[name].shape)}"
-                )
+        targets = checked_targets(self.model, tensors)  # a dropped weight keeps its shape: checked as any other
         owners: dict[int, tuple[LayerMethod, int, str]] = {}
         for module, (method, member) in self.holders.items():
             owners[id(module.weight)] = (method, member, "weight")
