@@ -4,7 +4,7 @@ import pytest
 from engine_helpers import random_prompts, run_engine
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.step.sampler import uniform_for
+from cbrun.engine.sample.sampler import uniform_for
 from cbrun.models import load_model
 
 

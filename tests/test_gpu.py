@@ -95,7 +95,7 @@ def test_triton_greedy_matches_torch_backend_and_generate(model_dir, request):
 @gpu
 def test_seeded_samples_alone_and_in_a_crowd_on_device(cuda_llama, monkeypatch):
     """A seeded request with n=2 draws the same tokens alone and among others, and its tokens are chosen on the GPU."""
-    from cbrun.engine.step import sampler
+    from cbrun.engine.sample import sampler
 
     model, tokenizer = cuda_llama
     prompts = random_prompts(model.get_input_embeddings().weight.shape[0], [20 + 7 * i for i in range(24)], seed=5)

@@ -18,9 +18,9 @@ from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
 from cbrun.engine.config import SamplingParams as Params
 from cbrun.engine.request import Request
+from cbrun.engine.sample.sampler import sample
+from cbrun.engine.sample.scoring import score_logits
 from cbrun.engine.step.model_runner import SCORE_CHUNK
-from cbrun.engine.step.sampler import sample
-from cbrun.engine.step.scoring import score_logits
 from cbrun.models import load_model
 
 VOCAB = 512

@@ -6,7 +6,8 @@ import gc
 import traceback
 
 from cbrun.bench.ceiling import measure_ceiling
-from cbrun.bench.peers import PeerContext, peer_runner
+from cbrun.bench.peers import PeerContext
+from cbrun.bench.peers.registry import peer_runner
 from cbrun.bench.report import build_report, machine_info
 from cbrun.bench.result import PeerResult, PeerUnavailable, count_check
 from cbrun.bench.workload import Workload

@@ -18,7 +18,8 @@ from cbrun.cli.common import EXIT_OK, EXIT_ROWS_FAILED, CliError, load_model, qu
 
 def bench(opts: BenchOptions) -> int:
     """Measure cbrun against peer engines on the same requests: one table, one run, one machine."""
-    from cbrun.bench.peers import PEER_NAMES, PeerContext, Progress
+    from cbrun.bench.peers import PeerContext, Progress
+    from cbrun.bench.peers.registry import PEER_NAMES
     from cbrun.bench.report import print_report
     from cbrun.bench.runner import run_bench
 

@@ -12,8 +12,9 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from cbrun.cli.choices import Device, Dtype
+
 if TYPE_CHECKING:
-    from cbrun.cli.options import Device, Dtype
     from cbrun.data.reader import InputSource
 
 EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

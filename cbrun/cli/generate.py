@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cbrun.cli.choices import FormatName
 from cbrun.cli.common import CliError, check_input_output, keep_columns, open_rows, quiet_libraries
-from cbrun.cli.generate_options import GenerateOptions, OutputFormat
+from cbrun.cli.generate_options import GenerateOptions
 from cbrun.cli.output_target import OutputTarget
 from cbrun.cli.run import JobParts, preparer_args, run_local_job
 
@@ -141,14 +142,14 @@ def _is_openai_input(source) -> bool:
     return first is not None and looks_like_openai_batch(first.record)
 
 
-def _choose_format(requested: OutputFormat, openai_input: bool, target: OutputTarget) -> str:
-    if requested == OutputFormat.openai:
+def _choose_format(requested: FormatName, openai_input: bool, target: OutputTarget) -> str:
+    if requested == FormatName.openai:
         if not openai_input:
             raise CliError("--format openai needs OpenAI Batch API input (lines with custom_id, url and body)")
         if target.kind == "parquet":
             raise CliError("--format openai writes JSON Lines; use a .jsonl OUTPUT or - ")
         return "openai"
-    if requested == OutputFormat.auto and openai_input and target.kind != "parquet":
+    if requested == FormatName.auto and openai_input and target.kind != "parquet":
         return "openai"
     return "cbrun"
 

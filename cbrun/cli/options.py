@@ -21,11 +21,11 @@ import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
+from cbrun.cli.choices import Device, Dtype, Kernels, Scheduler
 from cbrun.cli.common import build_engine_config
 from cbrun.models import DEFAULT_MODEL
 
@@ -42,29 +42,6 @@ def panel_option(panel: str) -> Callable[..., Any]:
 
 model_option, engine_option = panel_option(MODEL_PANEL), panel_option(ENGINE_PANEL)
 input_option, output_option = panel_option(INPUT_PANEL), panel_option(OUTPUT_PANEL)
-
-
-class Dtype(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Kernels(str, Enum):
-    portable = "portable"
-    fastest = "fastest"
-
-
-class Scheduler(str, Enum):
-    fifo = "fifo"
-    prefill_first = "prefill-first"
 
 
 @dataclass

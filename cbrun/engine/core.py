@@ -32,11 +32,11 @@ from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.grammar import GrammarCompiler, GrammarState, MaskFiller
 from cbrun.engine.model_spec import CausalLM, ModelSpec, Tokenizer, default_device, read_model_spec
 from cbrun.engine.request import Request, RequestStatus
+from cbrun.engine.sample.scoring import ScoredRows
 from cbrun.engine.scheduler import Scheduler
 from cbrun.engine.step.attention import register as register_attention
 from cbrun.engine.step.batch import BatchBuilder, PagedBatch
 from cbrun.engine.step.model_runner import ModelRunner, StepLogits
-from cbrun.engine.step.scoring import ScoredRows
 from cbrun.engine.weights import StashTarget, WeightStash, give_back_memory, load_into
 
 log = logging.getLogger("cbrun.engine")
@@ -94,7 +94,7 @@ class EngineCore:
             config.page_size,
             self.spec.sliding_window,
             self.device,
-            self.backend,
+            self.backend.metadata_builder,
         )
         self.runner = ModelRunner(model, self.backend)
         self.detok = Detokenizer(tokenizer)
@@ -361,7 +361,7 @@ class EngineCore:
         try:
             count = load_into(self.model, tensors)
         finally:
-            self.backend.install(self.model, self.spec)
+            self._install_backend()
             self.cache.pool.reset_prefix_cache()
         return count
 
@@ -398,7 +398,7 @@ class EngineCore:
         if weights and self._stash is not None:
             self._stash.restore()
             self._stash = None
-            self.backend.install(self.model, self.spec)
+            self._install_backend()
         if not kv_cache or self.store.data is not None:
             return
         self.store.allocate()
@@ -407,6 +407,11 @@ class EngineCore:
             prefault = min(self.config.prefault_blocks, self.store.num_blocks)
             self.store.prefault(prefault)
             self.cache.pool.touched = prefault
+
+    def _install_backend(self) -> None:
+        """Install the backend on the model again; the batch builder takes the metadata builder it chose."""
+        self.backend.install(self.model, self.spec)
+        self.builder.metadata = self.backend.metadata_builder
 
     def _require_idle(self, action: str) -> None:
         if self.scheduler.has_work():

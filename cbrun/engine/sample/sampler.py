@@ -32,7 +32,7 @@ import torch
 from cbrun.engine.config import SamplingParams
 from cbrun.engine.grammar import apply_masks, without_tokens
 from cbrun.engine.request import Request
-from cbrun.engine.step.compiled import SamplingKernels
+from cbrun.engine.sample.kernels import SamplingKernels
 
 _MASK64 = (1 << 64) - 1
 

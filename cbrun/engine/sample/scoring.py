@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.step.compiled import SamplingKernels
+from cbrun.engine.sample.kernels import SamplingKernels
 
 
 @dataclass
