@@ -26,7 +26,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from cbrun.engine.config import StatsSnapshot
+from cbrun.engine.stats import StatsSnapshot
 
 RATE_WINDOW_S = 10.0  # throughput is averaged over the last seconds
 KV_BAR_WIDTH = 24

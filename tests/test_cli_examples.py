@@ -13,7 +13,7 @@ from test_cli_generate import REPO, cli_env
 from cbrun.data.openai_batch import OpenAIFormat
 from cbrun.data.prompts import BadRow, RowPreparer
 from cbrun.data.reader import open_input
-from cbrun.engine.config import SamplingParams
+from cbrun.engine.sampling_params import SamplingParams
 
 EXAMPLES = REPO / "examples"
 

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from cbrun.dashboard import Dashboard, EngineProgress, format_duration
 from cbrun.data.job import JobProgress
-from cbrun.engine.config import StatsSnapshot
+from cbrun.engine.stats import StatsSnapshot
 
 
 def progress(done=4, total=10, failed=1, skipped=0, age=8.0):

@@ -11,7 +11,7 @@ from cbrun.data.prompts import RowPreparer
 from cbrun.data.reader import InputError, RawRow
 from cbrun.data.resume import ResumeState
 from cbrun.data.schema import CbrunFormat, RowKey
-from cbrun.engine.config import SamplingParams
+from cbrun.engine.sampling_params import SamplingParams
 
 
 class ListWriter:

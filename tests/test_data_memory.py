@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent("""
     from cbrun.data.reader import open_input
     from cbrun.data.schema import CbrunFormat
     from cbrun.data.writers import JsonlWriter
-    from cbrun.engine.config import SamplingParams
+    from cbrun.engine.sampling_params import SamplingParams
 
     source_path, out_path = sys.argv[1], sys.argv[2]
     engine = FakeEngine(max_context=1 << 20, record_submitted=False)

@@ -7,8 +7,8 @@ from fake_engine import FakeTokenizer
 from cbrun.data.openai_batch import OpenAIFormat, convert_request, looks_like_openai_batch
 from cbrun.data.prompts import BadRow, RowPreparer
 from cbrun.data.reader import RawRow
-from cbrun.engine.config import SamplingParams
 from cbrun.engine.request import GenerationOutput
+from cbrun.engine.sampling_params import SamplingParams
 
 CHAT = {
     "custom_id": "q1",

@@ -7,7 +7,7 @@ from fake_engine import FakeTokenizer
 
 from cbrun.data.prompts import BadRow, RowPreparer, RowSpec
 from cbrun.data.reader import RawRow
-from cbrun.engine.config import SamplingParams
+from cbrun.engine.sampling_params import SamplingParams
 
 
 def make(base: SamplingParams | None = None, **kwargs) -> RowPreparer:

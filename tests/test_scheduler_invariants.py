@@ -6,8 +6,9 @@ import pytest
 
 from cbrun.engine.cache.kv_cache import KVCacheManager
 from cbrun.engine.cache.offload import SoftResetPreemptor
-from cbrun.engine.config import EngineConfig, SamplingParams
+from cbrun.engine.config import EngineConfig
 from cbrun.engine.request import Request
+from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.scheduler import Scheduler
 
 

@@ -16,10 +16,10 @@ from engine_helpers import load_pair, random_prompts, reference_logprobs
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
-from cbrun.engine.config import SamplingParams as Params
 from cbrun.engine.request import Request
 from cbrun.engine.sample.sampler import sample
 from cbrun.engine.sample.scoring import score_logits
+from cbrun.engine.sampling_params import SamplingParams as Params
 from cbrun.engine.step.model_runner import SCORE_CHUNK
 from cbrun.models import load_model
 

@@ -19,7 +19,8 @@ from cbrun.cli.output_target import OutputTarget
 from cbrun.cli.run import claim_stdout
 
 if TYPE_CHECKING:
-    from cbrun.engine.config import EngineConfig, SamplingParams
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.sampling_params import SamplingParams
 
 
 def check_ray_options(opts: GenerateOptions) -> None:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from cbrun.data.chat import ChatContentError, flatten_messages
 from cbrun.data.constraints import row_constraint
 from cbrun.data.reader import RawRow
-from cbrun.engine.config import ConfigError, SamplingParams
+from cbrun.engine.config import ConfigError
+from cbrun.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cbrun.engine.model_spec import Tokenizer

@@ -35,8 +35,8 @@ from cbrun.data.prompts import BadRow, RowPreparer, RowSpec, SpecT, record_id
 from cbrun.data.reader import RawRow
 from cbrun.data.resume import ResumeState
 from cbrun.data.schema import STOPPED_MARKER, RowKey, bad_row_number, engine_error
-from cbrun.engine.config import SamplingParams
 from cbrun.engine.request import GenerationOutput
+from cbrun.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cbrun.engine.engine import Engine

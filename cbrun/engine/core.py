@@ -27,16 +27,19 @@ from cbrun.engine.cache.kv_cache import KVCacheManager
 from cbrun.engine.cache.kv_store import KVStore
 from cbrun.engine.cache.offload import make_preemptor
 from cbrun.engine.cache.sizing import choose_num_blocks
-from cbrun.engine.config import EngineConfig, StatsSnapshot, StructuredSpec
+from cbrun.engine.config import EngineConfig
 from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.grammar import GrammarCompiler, GrammarState, MaskFiller
 from cbrun.engine.model_spec import CausalLM, ModelSpec, Tokenizer, default_device, read_model_spec
 from cbrun.engine.request import Request, RequestStatus
 from cbrun.engine.sample.scoring import ScoredRows
+from cbrun.engine.sampling_params import StructuredSpec
 from cbrun.engine.scheduler import Scheduler
+from cbrun.engine.stats import StatsSnapshot
 from cbrun.engine.step.attention import register as register_attention
 from cbrun.engine.step.batch import BatchBuilder, PagedBatch
 from cbrun.engine.step.model_runner import ModelRunner, StepLogits
+from cbrun.engine.stop_checks import check_stop
 from cbrun.engine.weights import StashTarget, WeightStash, give_back_memory, load_into
 
 log = logging.getLogger("cbrun.engine")
@@ -305,7 +308,7 @@ class EngineCore:
         top: list[tuple[int, float]] | None,
         outcome: StepOutcome,
     ) -> None:
-        """Add a sampled token, then end the request if a stop condition holds."""
+        """Add a sampled token, then end the request if a stop condition holds (stop_checks.py)."""
         request.all_token_ids.append(token)
         if request.grammar is not None:
             request.grammar.consume(token)
@@ -315,7 +318,7 @@ class EngineCore:
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
         self._stats.generated_tokens += 1
-        reason = self._stop_reason(request, token)
+        reason = check_stop(request, token, self.spec.eos_token_ids, self.spec.max_context, self.detok)
         if request.grammar is not None and request.grammar.error is not None:
             self.remove(request, RequestStatus.FAILED, "error", request.grammar.error)
             outcome.finished.append(request)
@@ -326,25 +329,6 @@ class EngineCore:
         if reason is not None:
             self.remove(request, RequestStatus.FINISHED, reason)
             outcome.finished.append(request)
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        params = request.sampling
-        if request.grammar is not None and request.grammar.complete:
-            return "stop"
-        if request.num_generated >= params.min_tokens and self._stops(request, token):
-            return "stop"
-        if request.num_generated >= params.max_tokens or request.num_tokens >= self.spec.max_context:
-            return "length"
-        return None
-
-    def _stops(self, request: Request, token: int) -> bool:
-        """Whether the token, or the text it completes, is one of the request's stops."""
-        params = request.sampling
-        if token in params.stop_token_ids:
-            return True
-        if not params.ignore_eos and token in self.spec.eos_token_ids:
-            return True
-        return self.detok.stop_string_hit(request)
 
     # -- weights and memory between rollouts ----------------------------------
     def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:

@@ -18,11 +18,13 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 
-from cbrun.engine.config import ConfigError, EngineConfig, SamplingParams, StatsSnapshot
+from cbrun.engine.config import ConfigError, EngineConfig
 from cbrun.engine.core import EngineCore, StepOutcome
 from cbrun.engine.model_spec import CausalLM, Tokenizer
 from cbrun.engine.request import GenerationOutput, Request, RequestStatus, ScoreSpec, StreamChunk
 from cbrun.engine.results import ResultStore
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.engine.stats import StatsSnapshot
 from cbrun.engine.weights import StashTarget, WeightSource, read_weights
 
 log = logging.getLogger("cbrun.engine")

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cbrun.engine.config import SamplingParams
+from cbrun.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cbrun.engine.grammar import GrammarState

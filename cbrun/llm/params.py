@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from cbrun.engine.config import SamplingParams as EngineSampling, StructuredSpec
+from cbrun.engine.sampling_params import SamplingParams as EngineSampling, StructuredSpec
 
 _SAMPLING_EPS = 1e-5  # vLLM: a temperature below this is greedy
 
