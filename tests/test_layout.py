@@ -21,11 +21,7 @@ MAX_LINES = 400
 KNOWN_CIRCLES = {
     frozenset({"cbrun.engine.backends.cpu.attention_variant", "cbrun.engine.backends.cpu.kernels"}),
 }
-KNOWN_LARGE = {
-    "cbrun/engine/backends/cpu/kernels.py",
-    "cbrun/engine/core.py",  # split by the processor and the stop checks (items 4, 5)
-    "cbrun/engine/engine.py",
-}
+KNOWN_LARGE = {"cbrun/engine/backends/cpu/kernels.py"}
 
 
 def _modules() -> dict[str, Path]:

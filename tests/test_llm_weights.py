@@ -194,7 +194,12 @@ def test_reset_prefix_cache_drops_cached_pages_and_refuses_while_busy(tiny_llama
         engine.core.cache.pool.check_invariants()
         engine.generate_batch([prompt], {"temperature": 0.0, "max_tokens": 4})
         assert engine.stats().prefix_hit_tokens == 0
-        with engine._lock:  # a request holding blocks: the cache is not reset under it
-            engine.core.cache.allocate(("held", 0), 16)
-            assert engine.core.reset_prefix_cache() is False
-            engine.core.cache.free(("held", 0))
+
+        def reset_while_held() -> bool:  # on the engine's loop thread, the one that touches the core
+            engine.core.cache.allocate(("held", 0), 16)  # a request holding blocks: the cache is not reset under it
+            try:
+                return engine.core.reset_prefix_cache()
+            finally:
+                engine.core.cache.free(("held", 0))
+
+        assert engine._loop.call(reset_while_held) is False

@@ -1,20 +1,21 @@
 """The synchronous engine core: one `step()` is schedule -> build -> forward -> sample -> update.
 
-No threads here: `Engine` (engine.py) runs `step()` in a background loop and
-owns queues, results and streams. Keeping the core synchronous makes it easy
-to test and to reason about: read `step()` and you know the engine.
+No threads and no locks here: one thread, the engine's loop (core_loop.py),
+calls every method, and the request API (engine.py) owns queues, results and
+streams. Requests arrive validated (processor.py). Keeping the core
+synchronous makes it easy to test and to reason about: read `step()` and you
+know the engine.
 
 A request's life ends in one place, `finish`: its status, reason, error,
 finish time and final text, and the stats counter of how it ended. Every end
 goes through it: stop and length, a grammar's error, a request the scheduler
 found too large, a failed forward, and the engine's cancels, hard stops,
-failed steps and requests refused before they reach the loop.
+failed steps and requests the processor refused.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,6 @@ from cbrun.engine.grammar import GrammarCompiler, GrammarState, MaskFiller
 from cbrun.engine.model_spec import CausalLM, ModelSpec, Tokenizer, default_device, read_model_spec
 from cbrun.engine.request import Request, RequestStatus
 from cbrun.engine.sample.scoring import ScoredRows
-from cbrun.engine.sampling_params import StructuredSpec
 from cbrun.engine.scheduler import Scheduler
 from cbrun.engine.stats import StatsSnapshot
 from cbrun.engine.step.attention import register as register_attention
@@ -104,7 +104,6 @@ class EngineCore:
         self.grammars = GrammarCompiler(tokenizer, self.spec.vocab_size)  # structured outputs, one compile per spec
         self._masks: MaskFiller | None = None  # started with the first constrained request
         self._stats = StatsSnapshot(blocks_total=num_blocks)
-        self._ends_lock = threading.Lock()  # `finish` is also called by callers' threads, for refused requests
         self._started = time.perf_counter()
         self._stash: WeightStash | None = None  # the weights while asleep at level 2
         log.info(
@@ -124,48 +123,7 @@ class EngineCore:
         if self._masks is not None:
             self._masks.close()
 
-    # -- requests ---------------------------------------------------------
-    def validate(self, prompt_ids: list[int], max_tokens: int) -> str | None:
-        """Why this prompt cannot run, or None."""
-        if not prompt_ids:
-            return "empty prompt"
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size), None)
-        if bad is not None:
-            return f"token id {bad!r} is outside the vocabulary (0..{self.spec.vocab_size - 1})"
-        total = len(prompt_ids) + max_tokens
-        if total > self.spec.max_context:
-            return (
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"the model's context of {self.spec.max_context} tokens"
-            )
-        needed = self.cache.max_blocks_for(len(prompt_ids) + 1)
-        if needed > self.cache.pool.num_blocks:
-            return (
-                f"prompt needs {needed} KV-cache blocks but the whole cache has "
-                f"{self.cache.pool.num_blocks}; raise num_blocks or shorten the prompt"
-            )
-        return None
-
-    def validate_score(self, prompt_ids: list[int], completion_ids: list[int]) -> str | None:
-        """Why this (prompt, completion) pair cannot be scored, or None."""
-        if not completion_ids:
-            return "empty completion: nothing to score"
-        bad = next((t for t in completion_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size), None)
-        if bad is not None:
-            return f"completion token id {bad!r} is outside the vocabulary (0..{self.spec.vocab_size - 1})"
-        error = self.validate(prompt_ids, len(completion_ids))
-        needed = self.cache.max_blocks_for(len(prompt_ids) + len(completion_ids) - 1)
-        if error is None and needed > self.cache.pool.num_blocks:
-            error = (
-                f"prompt plus completion need {needed} KV-cache blocks but the whole cache has "
-                f"{self.cache.pool.num_blocks}; raise num_blocks or shorten them"
-            )
-        return error
-
-    def check_structured(self, spec: StructuredSpec | None) -> str | None:
-        """Why a structured-output constraint cannot be enforced, or None (compiled once per distinct spec)."""
-        return None if spec is None else self.grammars.check(spec)
-
+    # -- requests (validated by the processor before they get here) ---------
     def add(self, request: Request) -> None:
         params = request.sampling
         if params.min_tokens and request.score is None:  # the ids min_tokens holds back
@@ -191,8 +149,7 @@ class EngineCore:
         """End a request's life: the one place its final status, reason, error and finish time are set and
         its end is counted in the stats. `remove` it instead while it holds blocks or a queue place.
 
-        Also called by callers' threads (for requests refused before they reach the loop), so the counters
-        are updated under a lock; such requests have no generated text to decode.
+        Requests the processor refused come here too, from the loop, before they ever run.
         """
         request.status = status
         request.finish_reason = reason
@@ -203,8 +160,7 @@ class EngineCore:
             RequestStatus.FAILED: "failed",
             RequestStatus.CANCELLED: "cancelled",
         }[status]
-        with self._ends_lock:
-            setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
         request.text = self.detok.final_text(request) if request.num_generated and request.score is None else ""
 
     def live_requests(self) -> list[Request]:
