@@ -10,9 +10,10 @@ import pytest
 from fake_engine import FakeTokenizer
 from test_cli_generate import REPO, cli_env
 
-from cbrun.data.openai_batch import OpenAIFormat
-from cbrun.data.prompts import BadRow, RowPreparer
+from cbrun.data.generate.openai_batch import OpenAIFormat
+from cbrun.data.generate.preparer import GeneratePreparer
 from cbrun.data.reader import open_input
+from cbrun.data.rows import BadRow
 from cbrun.engine.sampling_params import SamplingParams
 
 EXAMPLES = REPO / "examples"
@@ -22,7 +23,9 @@ EXAMPLES = REPO / "examples"
     "name", ["prompts.jsonl", "chat.jsonl", "prompts.parquet", "openai_batch.jsonl", "rl_prompts.jsonl"]
 )
 def test_every_example_row_is_valid(name):
-    preparer = RowPreparer(FakeTokenizer(), SamplingParams(), max_context=4096, vocab_size=FakeTokenizer.vocab_size)
+    preparer = GeneratePreparer(
+        FakeTokenizer(), SamplingParams(), max_context=4096, vocab_size=FakeTokenizer.vocab_size
+    )
     converter = OpenAIFormat(FakeTokenizer(), "m") if name.startswith("openai") else None
     rows = list(open_input(str(EXAMPLES / name)))
     assert rows

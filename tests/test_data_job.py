@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 from fake_engine import FakeEngine
 
-from cbrun.data.job import GenerateJob
-from cbrun.data.openai_batch import OpenAIFormat
-from cbrun.data.prompts import RowPreparer
+from cbrun.data.generate.format import CbrunFormat
+from cbrun.data.generate.openai_batch import OpenAIFormat
+from cbrun.data.generate.preparer import GeneratePreparer
+from cbrun.data.job import Job
+from cbrun.data.output_rows import RowKey
 from cbrun.data.reader import InputError, RawRow
 from cbrun.data.resume import ResumeState
-from cbrun.data.schema import CbrunFormat, RowKey
 from cbrun.engine.sampling_params import SamplingParams
 
 
@@ -30,7 +31,7 @@ class ListWriter:
 
 def make_job(records, engine=None, *, window=8, resume=None, fmt=None, openai=None, n=1):
     engine = engine or FakeEngine()
-    preparer = RowPreparer(
+    preparer = GeneratePreparer(
         engine.tokenizer,
         SamplingParams(max_tokens=4, n=n, seed=5),
         max_context=engine.max_context,
@@ -38,7 +39,7 @@ def make_job(records, engine=None, *, window=8, resume=None, fmt=None, openai=No
     )
     rows = [RawRow(i, r) for i, r in enumerate(records)]
     writer = ListWriter()
-    job = GenerateJob(engine, rows, preparer, fmt or CbrunFormat(), writer, window=window, resume=resume, openai=openai)
+    job = Job(engine, rows, preparer, fmt or CbrunFormat(), writer, window=window, resume=resume, openai=openai)
     return job, engine, writer
 
 
@@ -176,7 +177,9 @@ def test_an_input_that_breaks_mid_way_raises_input_error():
         raise OSError("disk gone")
 
     engine = FakeEngine()
-    preparer = RowPreparer(engine.tokenizer, SamplingParams(max_tokens=2), max_context=64, vocab_size=engine.vocab_size)
-    job = GenerateJob(engine, rows(), preparer, CbrunFormat(), ListWriter())
+    preparer = GeneratePreparer(
+        engine.tokenizer, SamplingParams(max_tokens=2), max_context=64, vocab_size=engine.vocab_size
+    )
+    job = Job(engine, rows(), preparer, CbrunFormat(), ListWriter())
     with pytest.raises(InputError, match="disk gone"):
         job.run()

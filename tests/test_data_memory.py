@@ -27,21 +27,21 @@ SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import psutil
     from fake_engine import FakeEngine
-    from cbrun.data.job import GenerateJob
-    from cbrun.data.prompts import RowPreparer
+    from cbrun.data.job import Job
+    from cbrun.data.generate.preparer import GeneratePreparer
     from cbrun.data.reader import open_input
-    from cbrun.data.schema import CbrunFormat
+    from cbrun.data.generate.format import CbrunFormat
     from cbrun.data.writers import JsonlWriter
     from cbrun.engine.sampling_params import SamplingParams
 
     source_path, out_path = sys.argv[1], sys.argv[2]
     engine = FakeEngine(max_context=1 << 20, record_submitted=False)
-    preparer = RowPreparer(engine.tokenizer, SamplingParams(max_tokens=1), max_context=engine.max_context,
+    preparer = GeneratePreparer(engine.tokenizer, SamplingParams(max_tokens=1), max_context=engine.max_context,
                            vocab_size=engine.vocab_size)
     before = psutil.Process().memory_info().rss
     source = open_input(source_path)
     writer = JsonlWriter.open(Path(out_path), append=False)
-    progress = GenerateJob(engine, source, preparer, CbrunFormat(), writer).run()
+    progress = Job(engine, source, preparer, CbrunFormat(), writer).run()
     writer.close()
     # VmHWM, not ru_maxrss: ru_maxrss survives exec, so it would report the forking
     # pytest process's size when the suite has loaded models before this test.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from fake_engine import FakeTokenizer
 
-from cbrun.data.openai_batch import OpenAIFormat, convert_request, looks_like_openai_batch
-from cbrun.data.prompts import BadRow, RowPreparer
+from cbrun.data.generate.openai_batch import OpenAIFormat, convert_request, looks_like_openai_batch
+from cbrun.data.generate.preparer import GeneratePreparer
 from cbrun.data.reader import RawRow
+from cbrun.data.rows import BadRow
 from cbrun.engine.request import GenerationOutput
 from cbrun.engine.sampling_params import SamplingParams
 
@@ -70,7 +71,7 @@ def test_bad_request_lines_give_reasons():
 
 def _spec(record, index=0):
     fmt = OpenAIFormat(FakeTokenizer(), "cbrun-model")
-    preparer = RowPreparer(FakeTokenizer(), SamplingParams(), max_context=512, vocab_size=FakeTokenizer.vocab_size)
+    preparer = GeneratePreparer(FakeTokenizer(), SamplingParams(), max_context=512, vocab_size=FakeTokenizer.vocab_size)
     converted = fmt.convert(RawRow(index, record))
     spec = preparer.parse(RawRow(index, record), *converted)
     return fmt, preparer.tokenize([spec])[0]

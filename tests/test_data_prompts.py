@@ -5,18 +5,19 @@ from __future__ import annotations
 import pytest
 from fake_engine import FakeTokenizer
 
-from cbrun.data.prompts import BadRow, RowPreparer, RowSpec
+from cbrun.data.generate.preparer import GeneratePreparer
 from cbrun.data.reader import RawRow
+from cbrun.data.rows import BadRow, ParsedRow
 from cbrun.engine.sampling_params import SamplingParams
 
 
-def make(base: SamplingParams | None = None, **kwargs) -> RowPreparer:
+def make(base: SamplingParams | None = None, **kwargs) -> GeneratePreparer:
     options = {"max_context": 64, "vocab_size": FakeTokenizer.vocab_size}
     options.update(kwargs)
-    return RowPreparer(FakeTokenizer(), base or SamplingParams(max_tokens=8, temperature=0.0), **options)
+    return GeneratePreparer(FakeTokenizer(), base or SamplingParams(max_tokens=8, temperature=0.0), **options)
 
 
-def prepare(preparer: RowPreparer, record: dict | None, index: int = 0, error: str | None = None):
+def prepare(preparer: GeneratePreparer, record: dict | None, index: int = 0, error: str | None = None):
     spec = preparer.parse(RawRow(index, record, error))
     if isinstance(spec, BadRow):
         return spec
@@ -26,7 +27,7 @@ def prepare(preparer: RowPreparer, record: dict | None, index: int = 0, error: s
 def test_prompt_messages_and_input_ids_build_token_ids():
     p = make()
     text = prepare(p, {"prompt": "hi"})
-    assert isinstance(text, RowSpec) and text.token_ids == [1, ord("h") + 3, ord("i") + 3]
+    assert isinstance(text, ParsedRow) and text.token_ids == [1, ord("h") + 3, ord("i") + 3]
     chat = prepare(p, {"messages": [{"role": "user", "content": "hi"}]}, index=1)
     assert chat.token_ids == FakeTokenizer().encode("<user>hi<assistant>", add_special_tokens=False)
     ids = prepare(p, {"input_ids": [5, 6, 7]}, index=2)
@@ -74,7 +75,7 @@ def test_sampling_overrides_apply_per_row():
 def test_min_tokens_row_override_applies_with_max_tokens_and_bad_values_name_the_field():
     held = make(base=SamplingParams(max_tokens=8, min_tokens=6, temperature=0.0))
     both = prepare(held, {"prompt": "a", "max_tokens": 4, "min_tokens": 2.0})  # lowered together: valid
-    assert isinstance(both, RowSpec) and (both.sampling.max_tokens, both.sampling.min_tokens) == (4, 2)
+    assert isinstance(both, ParsedRow) and (both.sampling.max_tokens, both.sampling.min_tokens) == (4, 2)
     assert prepare(make(), {"prompt": "a", "min_tokens": 5}).sampling.min_tokens == 5
     for index, value in enumerate([-1, 9, 1.5, "3"]):
         bad = prepare(make(), {"prompt": "a", "min_tokens": value}, index=index)
@@ -124,7 +125,7 @@ def test_bad_rows_name_row_field_and_reason(record, expected):
 
 def test_duplicate_id_is_an_error_for_the_later_row():
     p = make()
-    assert isinstance(prepare(p, {"id": "a", "prompt": "x"}, index=0), RowSpec)
+    assert isinstance(prepare(p, {"id": "a", "prompt": "x"}, index=0), ParsedRow)
     dup = prepare(p, {"id": "a", "prompt": "y"}, index=1)
     assert isinstance(dup, BadRow) and dup.message == "row 1: id: duplicate id 'a' (first used by row 0)"
     assert dup.id == "a"
@@ -135,7 +136,7 @@ def test_tokenizer_without_chat_template_makes_chat_rows_bad():
     p.tokenizer.chat_template = None
     bad = prepare(p, {"messages": [{"role": "user", "content": "x"}]})
     assert isinstance(bad, BadRow) and "no chat template" in bad.message
-    assert isinstance(prepare(p, {"prompt": "ok"}, index=1), RowSpec)
+    assert isinstance(prepare(p, {"prompt": "ok"}, index=1), ParsedRow)
 
 
 def test_keep_columns_are_copied_even_for_bad_rows():

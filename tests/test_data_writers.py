@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cbrun.data.generate.format import CbrunFormat
 from cbrun.data.resume import ResumeError, ResumeState, load_resume_state, scan_jsonl
-from cbrun.data.schema import CbrunFormat
 from cbrun.data.writers import JsonlWriter, ParquetOutput, journal_path
 
 FMT = CbrunFormat(logprobs=True, keep_columns=("label",))

@@ -18,8 +18,8 @@ from test_cli_generate import write_jsonl
 from cbrun.cli.app import main
 from cbrun.cli.generate_options import GenerateOptions
 from cbrun.cli.ray_run import generator_args
+from cbrun.data.generate.format import CbrunFormat
 from cbrun.data.reader import RawRow
-from cbrun.data.schema import CbrunFormat
 from cbrun.engine import EngineConfig, SamplingParams, StructuredSpec
 from cbrun.scale.ray_data import ERROR, LINE, RECORD, ROW, CbrunGenerator, raw_rows
 from cbrun.scale.ray_job import raw_blocks, rows_carry_constraints

@@ -18,7 +18,7 @@ from cbrun.cli.choices import FormatName
 from cbrun.cli.common import CliError, check_input_output, keep_columns, open_rows, quiet_libraries
 from cbrun.cli.generate_options import GenerateOptions
 from cbrun.cli.output_target import OutputTarget
-from cbrun.cli.run import JobParts, preparer_args, run_local_job
+from cbrun.cli.run import JobPlan, ModelChoice, run_local_job
 
 
 def generate(opts: GenerateOptions) -> int:
@@ -26,15 +26,15 @@ def generate(opts: GenerateOptions) -> int:
 
     INPUT rows hold a prompt (text, chat messages or token ids), or are OpenAI Batch API request lines.
     """
-    from cbrun.data.openai_batch import OpenAIFormat
-    from cbrun.data.prompts import RowPreparer
-    from cbrun.data.schema import BASE_COLUMNS, CbrunFormat
+    from cbrun.data.generate.format import GENERATE_COLUMNS, CbrunFormat
+    from cbrun.data.generate.openai_batch import OpenAIFormat
+    from cbrun.data.generate.parts import GenerateParts
 
     quiet_libraries(opts.quiet)
     check_input_output(opts)
     sampling = _sampling(opts)
     engine_config = opts.engine_config()
-    keep = keep_columns(opts.keep_columns, BASE_COLUMNS)
+    keep = keep_columns(opts.keep_columns, GENERATE_COLUMNS)
     shard = _shard(opts)
     if opts.ray:
         from cbrun.cli.ray_run import check_ray_options, run_ray
@@ -52,15 +52,30 @@ def generate(opts: GenerateOptions) -> int:
     classify = OpenAIFormat.classify if fmt_name == "openai" else CbrunFormat.classify
     resume_state = target.resume_state(classify) if opts.resume else None
 
-    def parts(tokenizer, engine) -> JobParts:
-        converter = OpenAIFormat(tokenizer, opts.model) if openai_input else None
-        preparer = RowPreparer(tokenizer, sampling, **preparer_args(opts, engine, keep))
-        fmt = converter if fmt_name == "openai" else _cbrun_format(opts, keep)
-        return JobParts(preparer, fmt, openai=converter)
-
-    rows = source if shard is None else _select_rows(source, shard)
-    rows_total = source.total if shard is None else None  # a shard's size is unknown
-    return run_local_job(opts, target, engine_config, rows, rows_total, resume_state, parts, "cbrun generate", shard)
+    parts = GenerateParts(
+        sampling,
+        _cbrun_format(opts, keep),
+        openai_input=openai_input,
+        openai_output=fmt_name == "openai",
+        model_name=opts.model,
+        prompt_column=opts.prompt_column,
+        chat=opts.chat,
+        keep_columns=keep,
+    )
+    plan = JobPlan(
+        title="cbrun generate",
+        model=ModelChoice(opts.model, opts.dtype, opts.device, opts.revision),
+        engine_config=engine_config,
+        target=target,
+        rows=source if shard is None else _select_rows(source, shard),
+        rows_total=source.total if shard is None else None,  # a shard's size is unknown
+        resume=resume_state,
+        parts=parts,
+        window=opts.window,
+        quiet=opts.quiet,
+        shard=shard,
+    )
+    return run_local_job(plan)
 
 
 def _shard(opts: GenerateOptions):
@@ -128,7 +143,9 @@ def _sampling(opts: GenerateOptions):
 def _open_prompts(opts: GenerateOptions, keep: tuple[str, ...]):
     """INPUT, reading the columns a prompt row or an OpenAI Batch request line may use."""
     from cbrun.data.constraints import ROW_FIELDS
-    from cbrun.data.prompts import ID_FIELDS, PROMPT_FIELDS, SAMPLING_OVERRIDES
+    from cbrun.data.generate.preparer import SAMPLING_OVERRIDES
+    from cbrun.data.prompts import PROMPT_FIELDS
+    from cbrun.data.rows import ID_FIELDS
 
     return open_rows(
         opts, {*ID_FIELDS, *PROMPT_FIELDS, *SAMPLING_OVERRIDES, *ROW_FIELDS, *keep, "method", "url", "body"}
@@ -136,7 +153,7 @@ def _open_prompts(opts: GenerateOptions, keep: tuple[str, ...]):
 
 
 def _is_openai_input(source) -> bool:
-    from cbrun.data.openai_batch import looks_like_openai_batch
+    from cbrun.data.generate.openai_batch import looks_like_openai_batch
 
     first = source.peek()
     return first is not None and looks_like_openai_batch(first.record)
@@ -156,7 +173,7 @@ def _choose_format(requested: FormatName, openai_input: bool, target: OutputTarg
 
 def _cbrun_format(opts: GenerateOptions, keep: tuple[str, ...]):
     """cbrun rows with the columns the options ask for."""
-    from cbrun.data.schema import CbrunFormat
+    from cbrun.data.generate.format import CbrunFormat
 
     return CbrunFormat(
         logprobs=opts.logprobs,

@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from cbrun.data.schema import STOPPED_MARKER, CbrunFormat
+from cbrun.data.generate.format import CbrunFormat
+from cbrun.data.output_rows import STOPPED_MARKER
 
 FLUSH_ROWS = 256
 FLUSH_SECONDS = 2.0

@@ -1,4 +1,4 @@
-"""The cbrun output rows: one per (prompt, sample), a contract other tools rely on.
+"""generate's own output format, cbrun rows: one per (prompt, sample), a contract other tools rely on.
 
 Columns, in order:
 
@@ -20,21 +20,21 @@ Columns, in order:
     prompt_token_ids      [int]    (with --prompt-token-ids)
     ...                            input columns named by --keep-columns
 
-Error messages start with `row N: ` when the input row itself is bad and with
-`row N (engine): ` when the engine failed a valid row; `--resume` relies on
-that prefix to recognise rows already written (see `resume.py`).
+Error messages follow data/output_rows.py, which `--resume` reads. Beside
+score's format (data/score/format.py); generate's other format answers OpenAI
+Batch input (openai_batch.py).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from cbrun.data.prompts import BadRow, RowSpec
+from cbrun.data.output_rows import RowKey, bad_row_number, engine_error, is_killed
+from cbrun.data.rows import BadRow, ParsedRow
 from cbrun.engine.request import GenerationOutput
 
-BASE_COLUMNS = (
+GENERATE_COLUMNS = (
     "id",
     "sample",
     "completion",
@@ -49,30 +49,6 @@ BASE_COLUMNS = (
     "structured",
     "prompt_token_ids",
 )
-STOPPED_MARKER = "engine stopped"
-_BAD_ROW = re.compile(r"^row (\d+)(?: \(line \d+\))?: ")
-
-
-@dataclass(frozen=True)
-class RowKey:
-    """What resume needs to know about one output row.
-
-    samples: the (id, sample) pairs it completes; None with bad_row for a bad
-    input row (keyed by row number); all=True for formats that write every
-    sample of a request in one row (OpenAI batch output).
-    killed: written by a run that was stopped hard; the work must be redone.
-    """
-
-    id: str
-    samples: tuple[int, ...] = ()
-    bad_row: int | None = None
-    all: bool = False
-    failed: bool = False
-    killed: bool = False
-
-
-def engine_error(spec: RowSpec, out: GenerationOutput) -> str:
-    return f"{spec.where} (engine): {out.error or out.finish_reason}"
 
 
 def structured_status(out: GenerationOutput) -> str | None:
@@ -80,17 +56,6 @@ def structured_status(out: GenerationOutput) -> str | None:
     if out.structured_complete is None or out.finish_reason == "error":
         return None
     return "complete" if out.structured_complete else "incomplete"
-
-
-def is_killed(finish_reason: str | None, error: str | None) -> bool:
-    """A result of a hard stop or a cancel: not an answer, redo it on resume."""
-    return finish_reason == "cancelled" or (finish_reason == "error" and STOPPED_MARKER in (error or ""))
-
-
-def bad_row_number(error: str | None) -> int | None:
-    """The row number of a bad-input error message, else None."""
-    match = _BAD_ROW.match(error or "")
-    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -111,14 +76,14 @@ class CbrunFormat:
             "prompt_token_ids": self.prompt_token_ids,
             "structured": self.structured,
         }
-        return [c for c in BASE_COLUMNS if optional.get(c, True)] + list(self.keep_columns)
+        return [c for c in GENERATE_COLUMNS if optional.get(c, True)] + list(self.keep_columns)
 
-    def result_rows(self, spec: RowSpec, results: list[tuple[int, GenerationOutput]]) -> list[dict]:
-        return [self._result_row(spec, sample, out) for sample, out in results]
+    def result_rows(self, parsed: ParsedRow, results: list[tuple[int, GenerationOutput]]) -> list[dict]:
+        return [self._result_row(parsed, sample, out) for sample, out in results]
 
-    def _result_row(self, spec: RowSpec, sample: int, out: GenerationOutput) -> dict:
+    def _result_row(self, parsed: ParsedRow, sample: int, out: GenerationOutput) -> dict:
         failed = out.finish_reason == "error"
-        row = {"id": spec.id, "sample": sample, "completion": out.text, "completion_token_ids": list(out.token_ids)}
+        row = {"id": parsed.id, "sample": sample, "completion": out.text, "completion_token_ids": list(out.token_ids)}
         if self.logprobs:
             row["logprobs"] = list(out.logprobs)
         if self.top_logprobs:
@@ -127,16 +92,16 @@ class CbrunFormat:
             ]
         row.update(
             finish_reason=out.finish_reason,
-            num_prompt_tokens=spec.num_prompt_tokens,
+            num_prompt_tokens=parsed.num_prompt_tokens,
             num_completion_tokens=len(out.token_ids),
             num_cached_tokens=out.num_cached_tokens,
-            error=engine_error(spec, out) if failed else None,
+            error=engine_error(parsed, out) if failed else None,
         )
         if self.structured or out.structured_complete is not None:
             row["structured"] = structured_status(out)
         if self.prompt_token_ids:
-            row["prompt_token_ids"] = list(spec.token_ids or ())
-        row.update(spec.keep)
+            row["prompt_token_ids"] = list(parsed.token_ids or ())
+        row.update(parsed.keep)
         return row
 
     def bad_row(self, bad: BadRow) -> dict:

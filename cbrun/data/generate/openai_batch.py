@@ -21,9 +21,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cbrun.data.constraints import response_format_fields
-from cbrun.data.prompts import BadRow, RowSpec
+from cbrun.data.output_rows import RowKey, bad_row_number, engine_error, is_killed
 from cbrun.data.reader import RawRow
-from cbrun.data.schema import RowKey, bad_row_number, engine_error, is_killed
+from cbrun.data.rows import BadRow, ParsedRow
 from cbrun.engine.request import GenerationOutput
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class OpenAIFormat:
         self.model_name = model_name
 
     def convert(self, raw: RawRow) -> tuple[dict, dict] | BadRow:
-        """The request line as a row for RowPreparer.parse, or a bad row."""
+        """The request line as a row for GeneratePreparer.parse, or a bad row."""
         if raw.record is None:
             return BadRow(raw.index, str(raw.index), f"{raw.where}: {raw.error}")
         converted = convert_request(raw.record)
@@ -112,17 +112,17 @@ class OpenAIFormat:
             return BadRow(raw.index, row_id, f"{raw.where}: {converted}", meta={"endpoint": "chat"})
         return converted
 
-    def result_rows(self, spec: RowSpec, results: list[tuple[int, GenerationOutput]]) -> list[dict]:
+    def result_rows(self, parsed: ParsedRow, results: list[tuple[int, GenerationOutput]]) -> list[dict]:
         results = sorted(results, key=lambda r: r[0])
         failed = [out for _, out in results if out.finish_reason == "error"]
         if failed:
-            return [self._line(spec.id, 500, _error_body(engine_error(spec, failed[0]), "server_error"))]
-        meta = spec.meta or {}
+            return [self._line(parsed.id, 500, _error_body(engine_error(parsed, failed[0]), "server_error"))]
+        meta = parsed.meta or {}
         chat = meta.get("endpoint", "chat") == "chat"
         completion_tokens = sum(len(out.token_ids) for _, out in results)
-        prompt_tokens = spec.num_prompt_tokens
+        prompt_tokens = parsed.num_prompt_tokens
         body = {
-            "id": ("chatcmpl-" if chat else "cmpl-") + _short_hash(spec.id),
+            "id": ("chatcmpl-" if chat else "cmpl-") + _short_hash(parsed.id),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": meta.get("model") or self.model_name,
@@ -134,7 +134,7 @@ class OpenAIFormat:
                 "prompt_tokens_details": {"cached_tokens": max(out.num_cached_tokens for _, out in results)},
             },
         }
-        return [self._line(spec.id, 200, body)]
+        return [self._line(parsed.id, 200, body)]
 
     def bad_row(self, bad: BadRow) -> dict:
         return self._line(bad.id, 400, _error_body(bad.message, "invalid_request_error"))
