@@ -10,10 +10,16 @@ the exit code 1 after the report is printed; an unavailable one does not.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from cbrun.bench.random_model import RandomModelError, is_random, random_model_dir
 from cbrun.cli.bench_options import DEFAULT_NUM_PROMPTS, BenchOptions
 from cbrun.cli.common import EXIT_OK, EXIT_ROWS_FAILED, CliError, load_model, quiet_libraries
+
+if TYPE_CHECKING:
+    from cbrun.bench.workload import Workload
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.model_spec import CausalLM, Tokenizer
 
 
 def bench(opts: BenchOptions) -> int:
@@ -137,7 +143,7 @@ def _cb_overrides(text: str | None) -> dict:
     return value
 
 
-def _workloads(model, tokenizer, opts: BenchOptions):
+def _workloads(model: CausalLM, tokenizer: Tokenizer, opts: BenchOptions) -> tuple[Workload, Workload, list[str]]:
     """The timed workload, its warm-up and the skipped dataset rows; bad values are usage errors."""
     from cbrun.bench.dataset import dataset_workload
     from cbrun.bench.workload import random_workload, usable_token_ids, warmup_workload
@@ -195,7 +201,7 @@ def _dashboard():
     return bench_dashboard
 
 
-def _asdict(config) -> dict:
+def _asdict(config: EngineConfig) -> dict:
     from dataclasses import asdict
 
     return asdict(config)

@@ -75,6 +75,8 @@ class RowWriter(Protocol):
 
     def flush(self) -> None: ...
 
+    def close(self) -> None: ...
+
 
 RowT_contra = TypeVar("RowT_contra", bound=ParsedRow, contravariant=True)
 
@@ -116,7 +118,10 @@ class JobParts:
 class PartsPlan(Protocol):
     """A command's parts as its command line chose them (GenerateParts, ScoreParts): `build` makes them."""
 
-    chat: bool  # prompts are rendered with the chat template: the tokenizer must have one
+    @property
+    def chat(self) -> bool:
+        """Prompts are rendered with the chat template: the tokenizer must have one."""
+        ...
 
     def build(self, tokenizer: Tokenizer, limits: ModelLimits) -> JobParts: ...
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import queue
 from collections.abc import Iterator, Sequence
+from typing import overload
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.core import EngineCore, TokenEvent
@@ -189,6 +190,12 @@ class Engine:
         self._results.put(output)
 
     # -- results --------------------------------------------------------------
+    @overload
+    def get_result(self, request_id: str | None = None, *, timeout: None = None) -> GenerationOutput: ...
+
+    @overload
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None: ...
+
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next finished result (of `request_id`, or of any request), or None on timeout."""
         return self._results.get(request_id, timeout)
