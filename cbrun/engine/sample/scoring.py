@@ -6,7 +6,7 @@ model's logits at temperature 1 (the sampler's normalizer, then
 logits, so it takes the same path: the compiled CPU kernel's normalizer and
 argmax when the sampler uses it (a greedy row: inverse temperature 1, no
 draw), else torch's `logsumexp` and `argmax` as in `sample`.
-`tests/test_score_engine.py` checks the two agree bit for bit.
+`tests/engine/test_score_engine.py` checks the two agree bit for bit.
 
 Logprobs are taken per chunk of rows (see `ModelRunner.score_chunks`), so
 memory stays at one [rows, V] block whatever the sequence length.

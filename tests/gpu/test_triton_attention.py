@@ -247,7 +247,7 @@ def test_kernel_row_without_keys_is_zero():
 @pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
 def test_interpreter_subprocess():
     """Run this module's kernel tests in a fresh process with TRITON_INTERPRET=1 set before triton loads."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_kernel_", str(Path(__file__))]
     result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=600)
@@ -280,7 +280,7 @@ except RuntimeError as e:
 else:
     raise AssertionError("paged_attention ran without triton")
 """
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr

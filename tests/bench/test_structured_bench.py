@@ -16,7 +16,7 @@ from cbrun.bench.structured import Validity, is_valid, vllm_constraint
 from cbrun.cli.app import main
 from cbrun.engine import StructuredSpec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "examples" / "bench" / "w_structured.jsonl"
 FIXED_CEILING = {
     "gflop_per_token": 0.001,

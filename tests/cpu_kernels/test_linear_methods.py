@@ -216,12 +216,17 @@ def test_the_portable_policy_picks_the_instruction_where_the_cpu_has_it(tmp_path
     platform.machine() not in ("x86_64", "AMD64") or shutil.which("gcc") is None,
     reason="the ISA source compiles with gcc on x86-64",
 )
+@pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 @pytest.mark.parametrize("march", ["x86-64-v3", "haswell", "znver3", "znver4", "sapphirerapids"])
 def test_every_kernel_source_compiles_without_warnings_for_every_x86_target(march, tmp_path):
     """The vdpbf16ps code carries its own target attribute, so a typo cannot hide until a user's CPU runs it;
     and no source may warn under -Wall -Wextra (the user's build reports warnings, this test fails on them).
     Targets from AVX2 up: the kernels keep vectors in AVX registers and need at least AVX2 and FMA."""
-    for source in sorted((Path(__file__).resolve().parent.parent / "cbrun" / "engine" / "cpu" / "csrc").glob("*.c")):
+    sources = sorted(
+        (Path(__file__).resolve().parents[2] / "cbrun" / "engine" / "backends" / "cpu" / "csrc").glob("*.c")
+    )
+    assert sources, "no kernel source found"
+    for source in sources:
         result = subprocess.run(
             [
                 "gcc",

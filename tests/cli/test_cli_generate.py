@@ -18,7 +18,7 @@ import pytest
 
 from cbrun.cli.app import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [
     {"id": "fox", "prompt": "the quick brown fox"},
     {"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}]},

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for helpers
 
 from helpers import TINY_VOCAB_SIZE, save_tiny_model
 
 WINDOW = 16  # sliding window of the tiny models: shorter than most test prompts
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).parents[2] / "README.md"
 TABLE_START, TABLE_END = "<!-- model-matrix:start -->", "<!-- model-matrix:end -->"
 
 

@@ -65,7 +65,7 @@ def test_a_100k_row_input_is_streamed_in_bounded_memory(tmp_path):
     source = tmp_path / "in.jsonl"
     write_input(source)
     size = source.stat().st_size
-    tests_dir = Path(__file__).parent
+    tests_dir = Path(__file__).parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_dir.parent), str(tests_dir)])}
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(source), str(tmp_path / "out.jsonl")],

@@ -246,7 +246,7 @@ def test_real_model_labels_every_row_validly(smollm2):
     from pathlib import Path
 
     model, tokenizer = smollm2
-    schema = json.loads((Path(__file__).resolve().parents[1] / "examples/bench/structured_schema.json").read_text())
+    schema = json.loads((Path(__file__).resolve().parents[2] / "examples/bench/structured_schema.json").read_text())
     reviews = ["The kettle arrived broken and support never answered.", "Love these shoes, great value."]
     prompts = [
         tokenizer.apply_chat_template(

@@ -156,7 +156,7 @@ def test_attention_through_every_variant_is_one_result(case):
 
 _AVX2_RUN = """
 import sys, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{here!r}, {tests!r}]  # this file, and the helpers in tests/
 import test_attention_dp as t
 torch.save(t.attention_through("twin"), {out!r})
 """
@@ -169,7 +169,7 @@ def test_an_avx2_builds_twin_gives_this_builds_bits(tmp_path):
     instruction bit for bit: what an AVX2-only machine computes, checked on this one."""
     out = tmp_path / "avx2.pt"
     env = dict(os.environ, CBRUN_KERNEL_MARCH="x86-64-v3", CBRUN_CACHE=str(tmp_path))
-    script = _AVX2_RUN.format(tests=str(Path(__file__).parent), out=str(out))
+    script = _AVX2_RUN.format(here=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]), out=str(out))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     native = attention_through(kernels.attend_dp_variant)

@@ -27,7 +27,7 @@ from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
 from cbrun.models import load_model
 
-REFERENCE = Path(__file__).parent / "data" / "reference_bits.json"
+REFERENCE = Path(__file__).parents[1] / "fixtures" / "reference_bits.json"
 WRITE = os.environ.get("CBRUN_WRITE_REFERENCE") == "1"
 PROMPTS = [[1, 5, 17, 200, 33, 90, 4], [1, 300, 12, 12, 12, 8], [1] + list(range(40, 100, 3)), [1, 7]]
 SAMPLINGS = {
@@ -78,7 +78,7 @@ def test_real_model_job_gives_the_reference_bits(smollm2_loader, dtype):
 
 _AVX2_RUN = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{here!r}, {tests!r}]  # this file, and the helpers in tests/
 import torch
 from cbrun.engine.backends.cpu import method_selector
 from cbrun.engine.backends.cpu.linear_methods import DP_TWIN, F32
@@ -100,6 +100,8 @@ def test_an_avx2_build_on_this_cpu_gives_the_reference_bits(tiny_llama_dir, dtyp
     if WRITE:
         pytest.skip("writing the reference")
     env = dict(os.environ, CBRUN_KERNEL_MARCH="x86-64-v3", ATEN_CPU_CAPABILITY="avx2", CBRUN_CACHE=str(tmp_path))
-    script = _AVX2_RUN.format(tests=str(Path(__file__).parent), dtype=dtype, model=str(tiny_llama_dir))
+    script = _AVX2_RUN.format(
+        here=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]), dtype=dtype, model=str(tiny_llama_dir)
+    )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
