@@ -15,7 +15,7 @@ _LLM_API = (
 __all__ = ["__version__", *_LLM_API]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     """`from cbrun import LLM, SamplingParams` (vLLM's offline API), imported on first use so that
     `import cbrun` stays light for the command line."""
     if name in _LLM_API:

@@ -19,14 +19,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console, Group
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from cbrun.engine.config import StatsSnapshot
+from cbrun.engine.stats import StatsSnapshot
+
+if TYPE_CHECKING:
+    from rich.live import Live
+
+    from cbrun.engine.engine import Engine
 
 RATE_WINDOW_S = 10.0  # throughput is averaged over the last seconds
 KV_BAR_WIDTH = 24
@@ -80,7 +85,7 @@ class Dashboard:
         self.console = Console(file=self.stream, force_terminal=self.live or None)
         self._rates = Rates()
         self._last = StatsSnapshot()
-        self._live = None
+        self._live: Live | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
 
@@ -90,7 +95,7 @@ class Dashboard:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self) -> None:
@@ -291,6 +296,6 @@ def _finished(s: StatsSnapshot) -> int:
     return s.finished + s.failed + s.cancelled
 
 
-def bench_dashboard(engine, title: str = "cbrun bench") -> Dashboard:
+def bench_dashboard(engine: Engine, title: str = "cbrun bench") -> Dashboard:
     """The generate dashboard over an engine whose requests were all submitted (a context manager)."""
     return Dashboard(engine.stats, EngineProgress(engine), title=title)

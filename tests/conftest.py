@@ -7,19 +7,62 @@ safetensors weights and an offline byte-level BPE tokenizer (400 tokens:
 All tiny models share vocab 512, hidden 64, 4 query / 2 KV heads,
 intermediate 128, 2048 positions, untied embeddings, seed 0.
 
-Test tiers: a test that uses the real default model does so through one of
-the `REAL_MODEL_FIXTURES` below, directly, through another fixture, or by
-naming one in a parameter that it passes to `request.getfixturevalue`, and
-is marked `slow` for it here (`pytest_collection_modifyitems`); no test marks
-itself. `pytest -m "not slow"` is then the fast tier: tiny models only. A test
-outside the slow tier that still reaches the real model through
-`cbrun.models.wheels.fetch_alias` fails at once, saying which fixture to request.
+Test tiers: `pytest -m "not slow"` is the fast tier. A test is `slow` in two ways:
+- it uses the real default model through one of the `REAL_MODEL_FIXTURES`
+  below, directly, through another fixture, or by naming one in a parameter
+  that it passes to `request.getfixturevalue`: it is marked here
+  (`pytest_collection_modifyitems`), nobody writes the mark. A test outside
+  the slow tier that still reaches the real model through
+  `cbrun.models.wheels.fetch_alias` fails at once, saying which fixture to request;
+- it is a heavy integration test (it compiles in a subprocess, starts a Ray
+  cluster, runs the Triton interpreter, sends signals, reads 100k rows): those
+  carry `@pytest.mark.slow` by hand, with the reason beside the mark.
+
+The caller's environment: the tests see none of the developer's `HF_*`,
+`HUGGINGFACE_*`, `TRANSFORMERS_*` or `CBRUN_*` variables, nor a scheduler's
+shard variables (SLURM, Kubernetes, torchrun), whatever the shell exports:
+they are removed below, before anything reads them, so the test process and
+the subprocesses it starts run as in a clean shell. Kept: `CBRUN_CACHE`
+(only where downloads and builds are cached) and `CBRUN_WRITE_REFERENCE`
+(an instruction to tests/cpu_kernels/test_reference_bits.py).
+
+Tests live by subsystem (engine/, cpu_kernels/, gpu/, data/, cli/, llm/,
+scale/, models/, bench/); helpers.py, engine_helpers.py and fake_engine.py
+here are importable from all of them, and fixtures/ holds their data files.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+KEPT_VARIABLES = frozenset({"CBRUN_CACHE", "CBRUN_WRITE_REFERENCE"})
+SCRUBBED_PREFIXES = ("HF_", "HUGGINGFACE_", "HUGGING_FACE_", "TRANSFORMERS_", "CBRUN_")
+SCHEDULER_VARIABLES = frozenset(
+    {
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_ARRAY_TASK_COUNT",
+        "SLURM_ARRAY_TASK_MIN",
+        "SLURM_ARRAY_TASK_STEP",
+        "JOB_COMPLETION_INDEX",
+        "RANK",
+        "WORLD_SIZE",
+    }
+)
+
+
+def scrubbed(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` without the caller's variables that change what cbrun, transformers or the hub client do."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if name in KEPT_VARIABLES or not (name.startswith(SCRUBBED_PREFIXES) or name in SCHEDULER_VARIABLES)
+    }
+
+
+for _name in set(os.environ) - set(scrubbed(dict(os.environ))):  # before transformers or the hub is imported
+    del os.environ[_name]
 
 import pytest
 

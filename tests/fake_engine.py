@@ -11,8 +11,9 @@ from __future__ import annotations
 import random
 import time
 
-from cbrun.engine.config import SamplingParams, StatsSnapshot
 from cbrun.engine.request import GenerationOutput
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.engine.stats import StatsSnapshot
 
 OFFSET = 3  # ids 0..2 are special: 0 pad, 1 bos, 2 eos
 

@@ -31,15 +31,16 @@ def read_dataset(
     path: str | Path, tokenizer, *, output_len: int, max_context: int, vocab_size: int, limit: int | None = None
 ) -> DatasetPrompts:
     """The first `limit` usable rows as token ids and output lengths."""
-    from cbrun.data.prompts import BadRow, RowPreparer
+    from cbrun.data.generate.preparer import GeneratePreparer
     from cbrun.data.reader import InputError, open_input
+    from cbrun.data.rows import BadRow
     from cbrun.engine import SamplingParams
 
     try:
         source = open_input(str(path))
     except InputError as e:
         raise ValueError(str(e)) from e
-    preparer = RowPreparer(
+    preparer = GeneratePreparer(
         tokenizer, SamplingParams(max_tokens=output_len), max_context=max_context, vocab_size=vocab_size
     )
     result = DatasetPrompts()

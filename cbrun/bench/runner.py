@@ -7,7 +7,8 @@ import traceback
 
 from cbrun.bench.ceiling import measure_ceiling
 from cbrun.bench.memory import PeakRss
-from cbrun.bench.peers import PeerContext, peer_runner
+from cbrun.bench.peers import PeerContext
+from cbrun.bench.peers.registry import peer_runner
 from cbrun.bench.report import build_report, machine_info
 from cbrun.bench.result import PeerResult, PeerUnavailable, count_check
 from cbrun.bench.workload import Workload

@@ -16,7 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from cbrun.engine.config import StructuredSpec
+from cbrun.engine.sampling_params import StructuredSpec
 
 
 @dataclass

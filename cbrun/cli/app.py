@@ -44,6 +44,7 @@ def _options(
 
 
 def _register_bench() -> None:
+    error: Exception
     try:
         from cbrun.cli.bench import bench
         from cbrun.cli.bench_options import BenchOptions

@@ -10,15 +10,23 @@ the exit code 1 after the report is printed; an unavailable one does not.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from cbrun.bench.random_model import RandomModelError, is_random, random_model_dir
 from cbrun.cli.bench_options import DEFAULT_NUM_PROMPTS, BenchOptions
 from cbrun.cli.common import EXIT_OK, EXIT_ROWS_FAILED, CliError, load_model, quiet_libraries
 
+if TYPE_CHECKING:
+    from cbrun.bench.peers import Progress
+    from cbrun.bench.workload import Workload
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.model_spec import CausalLM, Tokenizer
+
 
 def bench(opts: BenchOptions) -> int:
     """Measure cbrun against peer engines on the same requests: one table, one run, one machine."""
-    from cbrun.bench.peers import PEER_NAMES, Progress
+    from cbrun.bench.peers import Progress
+    from cbrun.bench.peers.registry import PEER_NAMES
     from cbrun.bench.report import print_report
 
     quiet_libraries(opts.quiet)
@@ -72,7 +80,14 @@ def bench(opts: BenchOptions) -> int:
     return EXIT_ROWS_FAILED if failed else EXIT_OK
 
 
-def _bench_model(spec: str, opts: BenchOptions, engines: list[str], progress, cb_overrides: dict, engine_config):
+def _bench_model(
+    spec: str,
+    opts: BenchOptions,
+    engines: list[str],
+    progress: Progress,
+    cb_overrides: dict,
+    engine_config: EngineConfig,
+) -> dict:
     """Load one model, run every engine on its workload, and return the report."""
     from cbrun.bench.peers import PeerContext
     from cbrun.bench.runner import run_bench
@@ -157,7 +172,7 @@ def _cb_overrides(text: str | None) -> dict:
     return value
 
 
-def _workloads(model, tokenizer, opts: BenchOptions):
+def _workloads(model: CausalLM, tokenizer: Tokenizer, opts: BenchOptions) -> tuple[Workload, Workload, list[str]]:
     """The timed workload, its warm-up and the skipped dataset rows; bad values are usage errors."""
     from cbrun.bench.dataset import dataset_workload
     from cbrun.bench.workload import random_workload, usable_token_ids, warmup_workload
@@ -215,7 +230,7 @@ def _dashboard():
     return bench_dashboard
 
 
-def _asdict(config) -> dict:
+def _asdict(config: EngineConfig) -> dict:
     from dataclasses import asdict
 
     return asdict(config)

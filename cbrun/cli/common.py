@@ -1,7 +1,7 @@
 """What the commands share: the usage-error type and exit codes, engine config and model loading, and the
-checks of INPUT, OUTPUT and the input rows made before any model loads.
+--keep-columns check, each made before any model loads.
 
-The options themselves are declared in `cbrun.cli.options`.
+The options themselves, and the checks of INPUT and OUTPUT, are in `cbrun.cli.options`.
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import logging
 import os
 from collections.abc import Iterable
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from cbrun.cli.choices import Device, Dtype
 
 if TYPE_CHECKING:
-    from cbrun.cli.options import Device, Dtype
-    from cbrun.data.reader import InputSource
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.model_spec import CausalLM, Tokenizer
 
 EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -39,7 +41,7 @@ def build_engine_config(
     cpu_offload_gb: float | None = None,
     max_memory_percent: float | None = None,
     kernels: str | None = None,
-):
+) -> EngineConfig:
     """EngineConfig from command-line values; None keeps EngineConfig's default.
 
     max_memory_percent accepts a fraction (0.5) or a percentage (50).
@@ -49,7 +51,7 @@ def build_engine_config(
 
     if max_memory_percent is not None and max_memory_percent > 1:
         max_memory_percent /= 100.0
-    given = {
+    given: dict[str, Any] = {
         "page_size": page_size,
         "num_blocks": num_blocks,
         "max_batch_tokens": max_batch_tokens,
@@ -67,18 +69,20 @@ def build_engine_config(
         raise CliError(f"invalid engine option: {exc}") from None
 
 
-def load_model(spec: str, dtype: Dtype | str, device: Device | str, revision: str | None = None):
+def load_model(
+    name: str, dtype: Dtype | str, device: Device | str, revision: str | None = None
+) -> tuple[CausalLM, Tokenizer]:
     """`cbrun.models.load_model`, with every failure turned into a one-line CliError."""
     from cbrun.models import ModelLoadError, load_model as load
 
     try:
         return load(
-            spec, dtype=getattr(dtype, "value", dtype), device=getattr(device, "value", device), revision=revision
+            name, dtype=getattr(dtype, "value", dtype), device=getattr(device, "value", device), revision=revision
         )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
-        raise CliError(f"cannot load model {spec!r}: {first_line(exc)}") from None
+        raise CliError(f"cannot load model {name!r}: {first_line(exc)}") from None
 
 
 def first_line(exc: BaseException) -> str:
@@ -105,21 +109,6 @@ def quiet_libraries(quiet: bool) -> None:
         disable_progress_bars()  # the variable above is read only when huggingface_hub is first imported
 
 
-def check_input_output(opts) -> None:
-    """The INPUT / --dataset / OUTPUT / --window checks generate and score share (on their options object).
-
-    With --dataset the one positional argument is OUTPUT, so it moves over.
-    """
-    if opts.dataset is not None and opts.output is None:
-        opts.input, opts.output = None, opts.input
-    elif opts.dataset is not None and opts.input is not None:
-        raise CliError("give either INPUT or --dataset, not both")
-    if opts.output is None:
-        raise CliError("missing OUTPUT (a .jsonl or .parquet path, or - for stdout)")
-    if opts.window < 1:
-        raise CliError(f"--window must be at least 1, got {opts.window}")
-
-
 def keep_columns(text: str | None, output_columns: Iterable[str]) -> tuple[str, ...]:
     """--keep-columns a,b as names; refused where a name would overwrite one of the command's own columns."""
     names = tuple(c.strip() for c in (text or "").split(",") if c.strip())
@@ -127,15 +116,3 @@ def keep_columns(text: str | None, output_columns: Iterable[str]) -> tuple[str, 
     if clash:
         raise CliError(f"--keep-columns: {', '.join(clash)} would overwrite output columns")
     return names
-
-
-def open_rows(opts, columns: set[str]) -> InputSource:
-    """INPUT or --dataset, reading only `columns` (and --prompt-column) where the format allows."""
-    from cbrun.data.reader import InputError, open_input
-
-    if opts.prompt_column:
-        columns = {*columns, opts.prompt_column}
-    try:
-        return open_input(opts.input, dataset=opts.dataset, split=opts.split, columns=columns)
-    except InputError as exc:
-        raise CliError(str(exc)) from None

@@ -12,12 +12,21 @@ for usage problems.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from cbrun.cli.common import CliError, check_input_output, keep_columns, open_rows, quiet_libraries
-from cbrun.cli.generate_options import GenerateOptions, OutputFormat
+from cbrun.cli.choices import FormatName
+from cbrun.cli.common import CliError, keep_columns, quiet_libraries
+from cbrun.cli.generate_options import GenerateOptions
 from cbrun.cli.output_target import OutputTarget
-from cbrun.cli.run import JobParts, preparer_args, run_local_job
+from cbrun.cli.run import JobPlan, ModelChoice, run_local_job
+
+if TYPE_CHECKING:
+    from cbrun.data.generate.format import CbrunFormat
+    from cbrun.data.reader import InputSource, RawRow
+    from cbrun.engine.sampling_params import SamplingParams
+    from cbrun.scale.shards import Shard
 
 
 def generate(opts: GenerateOptions) -> int:
@@ -25,21 +34,21 @@ def generate(opts: GenerateOptions) -> int:
 
     INPUT rows hold a prompt (text, chat messages or token ids), or are OpenAI Batch API request lines.
     """
-    from cbrun.data.openai_batch import OpenAIFormat
-    from cbrun.data.prompts import RowPreparer
-    from cbrun.data.schema import BASE_COLUMNS, CbrunFormat
+    from cbrun.data.generate.format import GENERATE_COLUMNS, CbrunFormat
+    from cbrun.data.generate.openai_batch import OpenAIFormat
+    from cbrun.data.generate.parts import GenerateParts
 
     quiet_libraries(opts.quiet)
-    check_input_output(opts)
+    output = opts.check_paths()
     sampling = _sampling(opts)
     engine_config = opts.engine_config()
-    keep = keep_columns(opts.keep_columns, BASE_COLUMNS)
-    shard = _shard(opts)
+    keep = keep_columns(opts.keep_columns, GENERATE_COLUMNS)
+    shard, output = _shard(opts, output)
     if opts.ray:
         from cbrun.cli.ray_run import check_ray_options, run_ray
 
         check_ray_options(opts)
-    target = OutputTarget.parse(opts.output, opts.input)
+    target = OutputTarget.parse(output, opts.input)
     source = _open_prompts(opts, keep)
     openai_input = _is_openai_input(source)
     if opts.ray:
@@ -51,31 +60,46 @@ def generate(opts: GenerateOptions) -> int:
     classify = OpenAIFormat.classify if fmt_name == "openai" else CbrunFormat.classify
     resume_state = target.resume_state(classify) if opts.resume else None
 
-    def parts(tokenizer, engine) -> JobParts:
-        converter = OpenAIFormat(tokenizer, opts.model) if openai_input else None
-        preparer = RowPreparer(tokenizer, sampling, **preparer_args(opts, engine, keep))
-        fmt = converter if fmt_name == "openai" else _cbrun_format(opts, keep)
-        return JobParts(preparer, fmt, openai=converter)
+    parts = GenerateParts(
+        sampling,
+        _cbrun_format(opts, keep),
+        openai_input=openai_input,
+        openai_output=fmt_name == "openai",
+        model_name=opts.model,
+        prompt_column=opts.prompt_column,
+        chat=opts.chat,
+        keep_columns=keep,
+    )
+    plan = JobPlan(
+        title="cbrun generate",
+        model=ModelChoice(opts.model, opts.dtype, opts.device, opts.revision),
+        engine_config=engine_config,
+        target=target,
+        rows=source if shard is None else _select_rows(source, shard),
+        rows_total=source.total if shard is None else None,  # a shard's size is unknown
+        resume=resume_state,
+        parts=parts,
+        window=opts.window,
+        quiet=opts.quiet,
+        shard=shard,
+    )
+    return run_local_job(plan)
 
-    rows = source if shard is None else _select_rows(source, shard)
-    rows_total = source.total if shard is None else None  # a shard's size is unknown
-    return run_local_job(opts, target, engine_config, rows, rows_total, resume_state, parts, "cbrun generate", shard)
 
-
-def _shard(opts: GenerateOptions):
-    """This process's shard (None when not sharded); rewrites opts.output to the shard's own output."""
+def _shard(opts: GenerateOptions, output: str) -> tuple[Shard | None, str]:
+    """This process's shard (None when not sharded) and its own OUTPUT (`output` when not sharded)."""
     from cbrun.scale.shards import ShardError, resolve_shard, shard_output
 
     try:
         shard = resolve_shard(opts.num_shards, opts.shard_index)
         if shard is None:
-            return None
+            return None, output
         if opts.ray:
             raise ShardError(
                 f"--ray runs the whole input; this process was given shard {shard.describe()} "
                 "(unset the scheduler's variables or drop --num-shards)"
             )
-        output, in_directory = shard_output(opts.output, shard)
+        output, in_directory = shard_output(output, shard)
     except ShardError as exc:
         raise CliError(str(exc)) from None
     if in_directory:
@@ -83,22 +107,21 @@ def _shard(opts: GenerateOptions):
         if not directory.parent.is_dir():
             raise CliError(f"output directory does not exist: {directory.parent}")
         directory.mkdir(exist_ok=True)  # every shard may be first: exist_ok
-    opts.output = output
-    return shard
+    return shard, output
 
 
-def _select_rows(source, shard):
+def _select_rows(source: InputSource, shard: Shard) -> Iterator[RawRow]:
     from cbrun.scale.shards import select_rows
 
     return select_rows(source, shard)
 
 
-def _sampling(opts: GenerateOptions):
+def _sampling(opts: GenerateOptions) -> SamplingParams:
     """The job's SamplingParams (structured-output constraint included); bad values are usage errors."""
     from cbrun.data.constraints import job_constraint
     from cbrun.engine import ConfigError, SamplingParams
 
-    values = dict(
+    values: dict[str, Any] = dict(
         max_tokens=opts.max_tokens,
         min_tokens=opts.min_tokens,
         temperature=opts.temperature,
@@ -124,38 +147,40 @@ def _sampling(opts: GenerateOptions):
         raise CliError(f"invalid sampling option: {exc}") from None
 
 
-def _open_prompts(opts: GenerateOptions, keep: tuple[str, ...]):
+def _open_prompts(opts: GenerateOptions, keep: tuple[str, ...]) -> InputSource:
     """INPUT, reading the columns a prompt row or an OpenAI Batch request line may use."""
     from cbrun.data.constraints import ROW_FIELDS
-    from cbrun.data.prompts import ID_FIELDS, PROMPT_FIELDS, SAMPLING_OVERRIDES
+    from cbrun.data.generate.preparer import SAMPLING_OVERRIDES
+    from cbrun.data.prompts import PROMPT_FIELDS
+    from cbrun.data.rows import ID_FIELDS
 
-    return open_rows(
-        opts, {*ID_FIELDS, *PROMPT_FIELDS, *SAMPLING_OVERRIDES, *ROW_FIELDS, *keep, "method", "url", "body"}
+    return opts.open_rows(
+        {*ID_FIELDS, *PROMPT_FIELDS, *SAMPLING_OVERRIDES, *ROW_FIELDS, *keep, "method", "url", "body"}
     )
 
 
-def _is_openai_input(source) -> bool:
-    from cbrun.data.openai_batch import looks_like_openai_batch
+def _is_openai_input(source: InputSource) -> bool:
+    from cbrun.data.generate.openai_batch import looks_like_openai_batch
 
     first = source.peek()
     return first is not None and looks_like_openai_batch(first.record)
 
 
-def _choose_format(requested: OutputFormat, openai_input: bool, target: OutputTarget) -> str:
-    if requested == OutputFormat.openai:
+def _choose_format(requested: FormatName, openai_input: bool, target: OutputTarget) -> str:
+    if requested == FormatName.openai:
         if not openai_input:
             raise CliError("--format openai needs OpenAI Batch API input (lines with custom_id, url and body)")
         if target.kind == "parquet":
             raise CliError("--format openai writes JSON Lines; use a .jsonl OUTPUT or - ")
         return "openai"
-    if requested == OutputFormat.auto and openai_input and target.kind != "parquet":
+    if requested == FormatName.auto and openai_input and target.kind != "parquet":
         return "openai"
     return "cbrun"
 
 
-def _cbrun_format(opts: GenerateOptions, keep: tuple[str, ...]):
+def _cbrun_format(opts: GenerateOptions, keep: tuple[str, ...]) -> CbrunFormat:
     """cbrun rows with the columns the options ask for."""
-    from cbrun.data.schema import CbrunFormat
+    from cbrun.data.generate.format import CbrunFormat
 
     return CbrunFormat(
         logprobs=opts.logprobs,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from enum import Enum
 from typing import Annotated, Optional
 
+from cbrun.cli.choices import FormatName
 from cbrun.cli.options import JobOptions, output_option, panel_option
 
 SAMPLING_PANEL = "Sampling (rows may override)"
@@ -19,12 +19,6 @@ SCALE_PANEL = "Past one machine (shards, Ray)"
 
 _sampling_option, _structured_option = panel_option(SAMPLING_PANEL), panel_option(STRUCTURED_PANEL)
 _scale_option = functools.partial(panel_option(SCALE_PANEL), show_default=False)
-
-
-class OutputFormat(str, Enum):
-    auto = "auto"
-    cbrun = "cbrun"
-    openai = "openai"
 
 
 @dataclass
@@ -54,9 +48,9 @@ class GenerateOutputOptions:
         False
     )
     format: Annotated[
-        OutputFormat,
+        FormatName,
         output_option(help="auto: OpenAI Batch output for OpenAI Batch input (JSON Lines), else cbrun rows."),
-    ] = OutputFormat.auto
+    ] = FormatName.auto
 
 
 @dataclass

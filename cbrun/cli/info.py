@@ -13,7 +13,7 @@ import json
 import platform
 import sys
 from importlib import metadata
-from typing import Annotated, Optional
+from typing import Annotated, Optional, TextIO
 
 import typer
 
@@ -215,7 +215,7 @@ def _gather_model_or_fail(spec: str, dtype: str, policy: str) -> dict:
         raise CliError(first_line(exc)) from None
 
 
-def _print_model(model: dict, out) -> None:
+def _print_model(model: dict, out: TextIO) -> None:
     from cbrun.process_memory import format_bytes
 
     params, held = model["parameter_bytes"], model["weight_bytes_held"]

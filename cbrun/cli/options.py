@@ -21,15 +21,18 @@ import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
-from cbrun.cli.common import build_engine_config
+from cbrun.cli.choices import Device, Dtype, Kernels, Scheduler
+from cbrun.cli.common import CliError, build_engine_config
 from cbrun.models import DEFAULT_MODEL
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from cbrun.data.reader import InputSource
     from cbrun.engine.config import EngineConfig
 
 MODEL_PANEL, ENGINE_PANEL, INPUT_PANEL, OUTPUT_PANEL = "Model", "Engine", "Input", "Output"
@@ -42,29 +45,6 @@ def panel_option(panel: str) -> Callable[..., Any]:
 
 model_option, engine_option = panel_option(MODEL_PANEL), panel_option(ENGINE_PANEL)
 input_option, output_option = panel_option(INPUT_PANEL), panel_option(OUTPUT_PANEL)
-
-
-class Dtype(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Kernels(str, Enum):
-    portable = "portable"
-    fastest = "fastest"
-
-
-class Scheduler(str, Enum):
-    fifo = "fifo"
-    prefill_first = "prefill-first"
 
 
 @dataclass
@@ -194,8 +174,34 @@ class JobOptions(EngineOptions, QuietOption, OutputOptions, InputOptions, ModelO
     """What every job command (generate, score) takes: INPUT and OUTPUT, the model, how rows are read,
     the output's extra columns and resume, --quiet and the engine's knobs."""
 
+    def check_paths(self) -> str:
+        """The INPUT / --dataset / OUTPUT / --window checks generate and score share; returns OUTPUT.
 
-OptionsT = TypeVar("OptionsT")
+        With --dataset the one positional argument is OUTPUT, so it moves over.
+        """
+        if self.dataset is not None and self.output is None:
+            self.input, self.output = None, self.input
+        elif self.dataset is not None and self.input is not None:
+            raise CliError("give either INPUT or --dataset, not both")
+        if self.output is None:
+            raise CliError("missing OUTPUT (a .jsonl or .parquet path, or - for stdout)")
+        if self.window < 1:
+            raise CliError(f"--window must be at least 1, got {self.window}")
+        return self.output
+
+    def open_rows(self, columns: set[str]) -> InputSource:
+        """INPUT or --dataset, reading only `columns` (and --prompt-column) where the format allows."""
+        from cbrun.data.reader import InputError, open_input
+
+        if self.prompt_column:
+            columns = {*columns, self.prompt_column}
+        try:
+            return open_input(self.input, dataset=self.dataset, split=self.split, columns=columns)
+        except InputError as exc:
+            raise CliError(str(exc)) from None
+
+
+OptionsT = TypeVar("OptionsT", bound="DataclassInstance")
 
 
 def command(options: type[OptionsT], run: Callable[[OptionsT], int]) -> Callable[..., int]:
@@ -212,7 +218,7 @@ def command(options: type[OptionsT], run: Callable[[OptionsT], int]) -> Callable
     def invoke(**values: Any) -> int:
         return run(options(**values))
 
-    invoke.__signature__ = inspect.Signature(parameters)  # what typer reads
+    invoke.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # what typer reads
     invoke.__name__ = invoke.__qualname__ = run.__name__
     invoke.__doc__ = run.__doc__
     return invoke

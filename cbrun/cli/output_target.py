@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from cbrun.cli.common import CliError
 
 if TYPE_CHECKING:
+    from cbrun.data.job import OutputFormat, RowWriter
     from cbrun.data.resume import ResumeState
 
 
@@ -26,17 +27,18 @@ class OutputTarget:
     path: Path | None
 
     @classmethod
-    def parse(cls, spec: str, input_spec: str | None) -> OutputTarget:
-        if spec == "-":
+    def parse(cls, output: str, input_path: str | None) -> OutputTarget:
+        """OUTPUT as given (a path, or - for stdout), checked against INPUT's path."""
+        if output == "-":
             return cls("stdout", None)
-        path = Path(spec)
+        path = Path(output)
         suffix = path.suffix.lower()
         kind = "parquet" if suffix == ".parquet" else "jsonl" if suffix in (".jsonl", ".json", ".ndjson") else None
         if kind is None:
-            raise CliError(f"unknown output format: {spec} (use .jsonl, .parquet or - for stdout)")
+            raise CliError(f"unknown output format: {output} (use .jsonl, .parquet or - for stdout)")
         if not path.parent.is_dir():
             raise CliError(f"output directory does not exist: {path.parent}")
-        if input_spec not in (None, "-") and Path(input_spec).resolve() == path.resolve():
+        if input_path not in (None, "-") and Path(input_path).resolve() == path.resolve():
             raise CliError("OUTPUT must not be the INPUT file")
         return cls(kind, path)
 
@@ -75,14 +77,18 @@ class OutputTarget:
         except ResumeError as exc:
             raise CliError(str(exc)) from None
 
-    def open_writer(self, fmt, data_stream, append: bool):
-        from cbrun.data.writers import JsonlWriter, ParquetOutput
+    def open_writer(self, fmt: OutputFormat, data_stream: IO[bytes] | None, append: bool) -> RowWriter:
+        """A writer of `fmt`'s rows: to `data_stream` (the real stdout) for `-`, else to the file (appending to
+        what is there when resuming)."""
+        from cbrun.data.writers import JsonlWriter, ParquetOutput, TableFormat
 
-        if self.kind == "stdout":
+        if self.path is None:
+            assert data_stream is not None  # claimed by claim_stdout for `-`
             return JsonlWriter(data_stream, fsync=False)
         if not append:
             for path in self.existing():
                 path.unlink()
         if self.kind == "parquet":
+            assert isinstance(fmt, TableFormat)  # Parquet OUTPUT is refused for formats without columns (OpenAI)
             return ParquetOutput(self.path, fmt)
         return JsonlWriter.open(self.path, append=append)

@@ -12,13 +12,15 @@ import sys
 from dataclasses import asdict, fields
 from typing import TYPE_CHECKING
 
+from cbrun.cli.choices import FormatName
 from cbrun.cli.common import EXIT_OK, EXIT_ROWS_FAILED, CliError
-from cbrun.cli.generate_options import GenerateOptions, OutputFormat
+from cbrun.cli.generate_options import GenerateOptions
 from cbrun.cli.output_target import OutputTarget
 from cbrun.cli.run import claim_stdout
 
 if TYPE_CHECKING:
-    from cbrun.engine.config import EngineConfig, SamplingParams
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.sampling_params import SamplingParams
 
 
 def check_ray_options(opts: GenerateOptions) -> None:
@@ -28,7 +30,7 @@ def check_ray_options(opts: GenerateOptions) -> None:
             "--resume does not work with --ray yet; write to a new OUTPUT, or shard the job instead "
             "(--num-shards), which resumes per shard"
         )
-    if opts.format == OutputFormat.openai:
+    if opts.format == FormatName.openai:
         raise CliError("--format openai does not work with --ray (it writes cbrun rows)")
     if opts.replicas < 1 or opts.threads_per_replica < 1:
         raise CliError("--replicas and --threads-per-replica must be at least 1")

@@ -1,11 +1,11 @@
 """Running a job on this machine from the command line, as generate and score both do.
 
-`run_local_job` is the whole run once the options, INPUT and OUTPUT are
-checked: stdout claimed for data when OUTPUT is `-`, the model loaded and the
-engine started with one-line errors, the job built from what the command
-brings (`JobParts`: its preparer, output format and row kind), the dashboard,
-Ctrl-C and SIGTERM turned into the job's stops, the output closed whatever
-happens, and the summary line with the exit code.
+`run_local_job(plan)` is the whole run once the options, INPUT and OUTPUT
+are checked into a `JobPlan`: stdout claimed for data when OUTPUT is `-`, the
+model loaded and the engine started with one-line errors, the job built from
+what the command brings (its parts: preparer, output format and row kind),
+the dashboard, Ctrl-C and SIGTERM turned into the job's stops, the output
+closed whatever happens, and the summary line with the exit code.
 """
 
 from __future__ import annotations
@@ -15,85 +15,85 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
+from cbrun.cli.choices import Device, Dtype
 from cbrun.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROWS_FAILED, CliError, first_line, load_model
 from cbrun.process_memory import format_bytes, peak_rss_bytes
 
 if TYPE_CHECKING:
     from cbrun.cli.output_target import OutputTarget
-    from cbrun.data.job import GenerateJob, JobProgress, OutputFormat, RowKind
-    from cbrun.data.openai_batch import OpenAIFormat
-    from cbrun.data.prompts import RowPreparer
+    from cbrun.dashboard import Dashboard
+    from cbrun.data.job import Job, JobProgress, PartsPlan, RowWriter
     from cbrun.data.reader import RawRow
     from cbrun.data.resume import ResumeState
+    from cbrun.engine import Engine, EngineConfig
+    from cbrun.engine.model_spec import CausalLM, Tokenizer
+    from cbrun.scale.shards import Shard
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """--model and how to load it (`ModelOptions`' values)."""
+
+    name: str
+    dtype: Dtype
+    device: Device
+    revision: str | None = None
 
 
 @dataclass
-class JobParts:
-    """What a command brings to its job, made once the tokenizer and the engine exist."""
+class JobPlan:
+    """A job checked and ready to run on this machine: all of it decided before the model loads.
 
-    preparer: RowPreparer
-    fmt: OutputFormat
-    kind: RowKind[Any] | None = None  # None: generated rows
-    openai: OpenAIFormat | None = None  # OpenAI Batch API input: its converter
-
-
-def preparer_args(opts, engine, keep: tuple[str, ...]) -> dict[str, Any]:
-    """The preparer keywords generate and score share: the engine's limits and how prompts are read."""
-    return dict(
-        max_context=engine.max_context,
-        vocab_size=engine.vocab_size,
-        prompt_column=opts.prompt_column,
-        chat=opts.chat,
-        keep_columns=keep,
-    )
-
-
-def run_local_job(
-    opts,
-    target: OutputTarget,
-    engine_config,
-    rows: Iterable[RawRow],
-    rows_total: int | None,
-    resume: ResumeState | None,
-    parts: Callable[[Any, Any], JobParts],
-    title: str,
-    shard=None,
-) -> int:
-    """Run the job on this machine into OUTPUT; returns the exit code.
-
-    opts: the command's options (model, input, output and quiet bundles);
-    parts(tokenizer, engine): the command's preparer, format and row kind.
+    title: the dashboard's ("cbrun generate"); rows_total: None when unknown (a shard's);
+    resume: what an earlier run wrote (None without --resume); parts: the command's preparer, output
+    format and row kind, made once the model is loaded; shard: this process's shard, if sharded.
     """
-    from cbrun.data.job import GenerateJob, JobProgress
 
-    with claim_stdout(target.kind == "stdout") as data_stream:
-        model, tokenizer = _load_model(opts)
-        engine = _start_engine(model, tokenizer, engine_config)
+    title: str
+    model: ModelChoice
+    engine_config: EngineConfig
+    target: OutputTarget
+    rows: Iterable[RawRow]
+    rows_total: int | None
+    resume: ResumeState | None
+    parts: PartsPlan
+    window: int
+    quiet: bool
+    shard: Shard | None = None
+
+
+def run_local_job(plan: JobPlan) -> int:
+    """Run the job on this machine into OUTPUT; returns the exit code."""
+    from cbrun.data.job import Job, JobProgress
+
+    with claim_stdout(plan.target.kind == "stdout") as data_stream:
+        model, tokenizer = _load_model(plan)
+        engine = _start_engine(model, tokenizer, plan.engine_config)
         try:
-            made = parts(tokenizer, engine)
-            writer = target.open_writer(made.fmt, data_stream, append=opts.resume)
-            progress = JobProgress(rows_total=rows_total)
-            job = GenerateJob(
+            parts = plan.parts.build(tokenizer, engine)
+            writer = plan.target.open_writer(parts.fmt, data_stream, append=plan.resume is not None)
+            progress = JobProgress(rows_total=plan.rows_total)
+            job = Job(
                 engine,
-                rows,
-                made.preparer,
-                made.fmt,
+                plan.rows,
+                parts.preparer,
+                parts.fmt,
                 writer,
-                kind=made.kind,
-                openai=made.openai,
-                resume=resume,
-                window=opts.window,
+                kind=parts.kind,
+                openai=parts.openai,
+                resume=plan.resume,
+                window=plan.window,
                 progress=progress,
             )
-            dashboard = None if opts.quiet else _dashboard(engine, progress, title)
+            dashboard = None if plan.quiet else _dashboard(engine, progress, plan.title)
             _run_to_end(job, writer, dashboard)
         finally:
             engine.destroy(give_back_weights=False)  # the model is not used again: no second copy at exit
-    return _report(progress, dashboard, target, shard)
+    return _report(progress, dashboard, plan.target, plan.shard)
 
 
 @contextlib.contextmanager
@@ -121,15 +121,16 @@ def claim_stdout(claim: bool) -> Iterator[IO[bytes] | None]:
         os.close(saved)
 
 
-def _load_model(opts) -> tuple[Any, Any]:
-    """(model, tokenizer) of --model as the options ask; --chat needs a chat template."""
-    model, tokenizer = load_model(opts.model, opts.dtype, opts.device, opts.revision)
-    if opts.chat and not getattr(tokenizer, "chat_template", None):
-        raise CliError(f"--chat: the tokenizer of {opts.model!r} has no chat template")
+def _load_model(plan: JobPlan) -> tuple[CausalLM, Tokenizer]:
+    """(model, tokenizer) of --model as the plan asks; --chat needs a chat template."""
+    choice = plan.model
+    model, tokenizer = load_model(choice.name, choice.dtype, choice.device, choice.revision)
+    if plan.parts.chat and not getattr(tokenizer, "chat_template", None):
+        raise CliError(f"--chat: the tokenizer of {choice.name!r} has no chat template")
     return model, tokenizer
 
 
-def _start_engine(model, tokenizer, config):
+def _start_engine(model: CausalLM, tokenizer: Tokenizer, config: EngineConfig) -> Engine:
     from cbrun.engine import ConfigError, Engine, UnsupportedModelError
 
     try:
@@ -138,7 +139,7 @@ def _start_engine(model, tokenizer, config):
         raise CliError(f"cannot start the engine: {first_line(exc)}") from None
 
 
-def _dashboard(engine, progress: JobProgress, title: str):
+def _dashboard(engine: Engine, progress: JobProgress, title: str) -> Dashboard:
     """The live view on stderr, with the engine's linear kernels when it has them."""
     from cbrun.dashboard import Dashboard
 
@@ -150,7 +151,7 @@ def _dashboard(engine, progress: JobProgress, title: str):
     return dashboard
 
 
-def _run_to_end(job: GenerateJob, writer, dashboard) -> None:
+def _run_to_end(job: Job, writer: RowWriter, dashboard: Dashboard | None) -> None:
     """Run the job to its end (or its stop), then close the output: a late Ctrl-C loses nothing."""
     from cbrun.data.reader import InputError
 
@@ -170,7 +171,7 @@ def _run_to_end(job: GenerateJob, writer, dashboard) -> None:
 
 
 @contextlib.contextmanager
-def _interrupts(job: GenerateJob, dashboard) -> Iterator[None]:
+def _interrupts(job: Job, dashboard: Dashboard | None) -> Iterator[None]:
     """First Ctrl-C: stop reading input and finish what is in flight; second (or SIGTERM): stop now."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -196,7 +197,7 @@ def _interrupts(job: GenerateJob, dashboard) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _report(progress: JobProgress, dashboard, target: OutputTarget, shard=None) -> int:
+def _report(progress: JobProgress, dashboard: Dashboard | None, target: OutputTarget, shard: Shard | None) -> int:
     """The summary (with the dashboard) and its last line; returns the exit code."""
     where = target.where
     if shard is not None:

@@ -12,12 +12,15 @@ usage problems.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-from cbrun.cli.common import CliError, check_input_output, keep_columns, open_rows, quiet_libraries
+from cbrun.cli.common import CliError, keep_columns, quiet_libraries
 from cbrun.cli.options import JobOptions, output_option
 from cbrun.cli.output_target import OutputTarget
-from cbrun.cli.run import JobParts, preparer_args, run_local_job
+from cbrun.cli.run import JobPlan, ModelChoice, run_local_job
+
+if TYPE_CHECKING:
+    from cbrun.data.reader import InputSource
 
 
 @dataclass
@@ -42,31 +45,41 @@ def score(opts: ScoreOptions) -> int:
 
     INPUT rows hold a prompt and the completions to score; `cbrun generate --prompt-token-ids` output works as is.
     """
-    from cbrun.data.score import SCORE_COLUMNS, ScoreFormat, ScorePreparer, ScoreRows
+    from cbrun.data.score.format import SCORE_COLUMNS, ScoreFormat
+    from cbrun.data.score.parts import ScoreParts
+    from cbrun.data.score.row_kind import ScoreRows
 
     quiet_libraries(opts.quiet)
-    check_input_output(opts)
+    output = opts.check_paths()
     if opts.top_logprobs < 0:
         raise CliError(f"--top-logprobs must be >= 0, got {opts.top_logprobs}")
     engine_config = opts.engine_config()
     keep = keep_columns(opts.keep_columns, SCORE_COLUMNS)
-    target = OutputTarget.parse(opts.output, opts.input)
+    target = OutputTarget.parse(output, opts.input)
     source = _open_score_rows(opts, keep)
     fmt = ScoreFormat(top_logprobs=opts.top_logprobs > 0, prompt_logprobs=opts.prompt_logprobs, keep_columns=keep)
     target.check_existing(opts.resume, opts.overwrite)
     resume_state = target.resume_state(ScoreFormat.classify) if opts.resume else None
     kind = ScoreRows(prompt_logprobs=opts.prompt_logprobs, top_logprobs=opts.top_logprobs)
+    plan = JobPlan(
+        title="cbrun score",
+        model=ModelChoice(opts.model, opts.dtype, opts.device, opts.revision),
+        engine_config=engine_config,
+        target=target,
+        rows=source,
+        rows_total=source.total,
+        resume=resume_state,
+        parts=ScoreParts(fmt, kind, prompt_column=opts.prompt_column, chat=opts.chat, keep_columns=keep),
+        window=opts.window,
+        quiet=opts.quiet,
+    )
+    return run_local_job(plan)
 
-    def parts(tokenizer, engine) -> JobParts:
-        preparer = ScorePreparer(tokenizer, **preparer_args(opts, engine, keep))
-        return JobParts(preparer, fmt, kind=kind)
 
-    return run_local_job(opts, target, engine_config, source, source.total, resume_state, parts, "cbrun score")
-
-
-def _open_score_rows(opts: ScoreOptions, keep: tuple[str, ...]):
+def _open_score_rows(opts: ScoreOptions, keep: tuple[str, ...]) -> InputSource:
     """INPUT, reading the columns a score row may use (generate's output rows among them)."""
-    from cbrun.data.prompts import ID_FIELDS, PROMPT_FIELDS
-    from cbrun.data.score import COMPLETION_FIELDS, SCORE_PROMPT_IDS
+    from cbrun.data.prompts import PROMPT_FIELDS
+    from cbrun.data.rows import ID_FIELDS
+    from cbrun.data.score.preparer import COMPLETION_FIELDS, SCORE_PROMPT_IDS
 
-    return open_rows(opts, {*ID_FIELDS, *PROMPT_FIELDS, *COMPLETION_FIELDS, SCORE_PROMPT_IDS, "sample", "error", *keep})
+    return opts.open_rows({*ID_FIELDS, *PROMPT_FIELDS, *COMPLETION_FIELDS, SCORE_PROMPT_IDS, "sample", "error", *keep})

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cbrun.engine.config import STRUCTURED_KINDS, ConfigError, StructuredSpec
+from cbrun.engine.config import ConfigError
+from cbrun.engine.sampling_params import STRUCTURED_KINDS, StructuredSpec
 
 ROW_FIELDS = STRUCTURED_KINDS
 

@@ -1,4 +1,4 @@
-"""The generate job: input rows -> engine -> output rows, with bounded memory.
+"""The job loop of generate and score: input rows -> engine -> output rows, with bounded memory.
 
     reader thread (RowPrefetcher) --(bounded queue)--> parse, resume check, tokenize
         --(sorted by prompt token ids)--> engine.add_request
@@ -16,9 +16,15 @@ ones are not, so `--resume` redoes exactly them.
 
 The loop is the same for every kind of row; what differs between generated
 and scored rows (which samples a row still needs, the submission order, the
-engine request a row becomes) is the job's `RowKind`: `GenerateRows` here,
-`ScoreRows` in `cbrun.data.score`. How results become output rows is the
-job's `OutputFormat`.
+engine request a row becomes) is the job's `RowKind`, what a row asks its
+preparer's, and how results become output rows its `OutputFormat`; each
+command keeps the three side by side:
+
+    data/generate/  preparer.py  GeneratePreparer   format.py  CbrunFormat   row_kind.py  GenerateRows
+                                                    openai_batch.py  OpenAIFormat (OpenAI Batch in and out)
+    data/score/     preparer.py  ScorePreparer      format.py  ScoreFormat   row_kind.py  ScoreRows
+
+`parts.py` in each says how a command's job is made from its command line.
 """
 
 from __future__ import annotations
@@ -28,16 +34,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from cbrun.data.openai_batch import OpenAIFormat
+from cbrun.data.generate.row_kind import GenerateRows
+from cbrun.data.output_rows import is_killed
 from cbrun.data.prefetch import RowPrefetcher
-from cbrun.data.prompts import BadRow, RowPreparer, RowSpec
+from cbrun.data.prompts import PromptPreparer
 from cbrun.data.reader import RawRow
 from cbrun.data.resume import ResumeState
-from cbrun.data.schema import is_killed
+from cbrun.data.rows import BadRow, ParsedRow
 from cbrun.engine.request import GenerationOutput
 
 if TYPE_CHECKING:
     from cbrun.engine.engine import Engine
+    from cbrun.engine.model_spec import Tokenizer
 
 
 class OutputFormat(Protocol):
@@ -45,9 +53,17 @@ class OutputFormat(Protocol):
 
     per_row: bool  # True: all samples of a row in one output row, written when the row finishes
 
-    def result_rows(self, spec: RowSpec, results: list[tuple[int, GenerationOutput]]) -> list[dict]: ...
+    def result_rows(self, parsed: ParsedRow, results: list[tuple[int, GenerationOutput]]) -> list[dict]: ...
 
     def bad_row(self, bad: BadRow) -> dict: ...
+
+
+class RowConverter(Protocol):
+    """Turns an input row of another API into a cbrun row first (OpenAIFormat.convert: OpenAI Batch input)."""
+
+    def convert(self, raw: RawRow) -> tuple[dict, dict] | BadRow:
+        """(the row as cbrun reads it, its format extras), or why it cannot be read."""
+        ...
 
 
 class RowWriter(Protocol):
@@ -59,52 +75,55 @@ class RowWriter(Protocol):
 
     def flush(self) -> None: ...
 
+    def close(self) -> None: ...
 
-SpecT_contra = TypeVar("SpecT_contra", bound=RowSpec, contravariant=True)
+
+RowT_contra = TypeVar("RowT_contra", bound=ParsedRow, contravariant=True)
 
 
-class RowKind(Protocol[SpecT_contra]):
-    """What a job does with its kind of row (the specs its preparer makes), between parsing and results."""
+class RowKind(Protocol[RowT_contra]):
+    """What a job does with its kind of row (the parsed_rows its preparer makes), between parsing and results."""
 
-    def pending_samples(self, spec: SpecT_contra, resume: ResumeState | None) -> list[int]:
+    def pending_samples(self, parsed: RowT_contra, resume: ResumeState | None) -> list[int]:
         """The samples of this row still to write (every one without resume); none: the row is done."""
         ...
 
-    def sort_key(self, spec: SpecT_contra) -> tuple[list[int], list[list[int]]]:
+    def sort_key(self, parsed: RowT_contra) -> tuple[list[int], list[list[int]]]:
         """Submission order within a window: rows sharing a prefix adjacent, so they hit the prefix cache."""
         ...
 
-    def submit(self, engine: Engine, spec: SpecT_contra, samples: list[int], request_id: str) -> list[int]:
+    def submit(self, engine: Engine, parsed: RowT_contra, samples: list[int], request_id: str) -> list[int]:
         """Add the row's engine request for `samples`; returns the samples the engine will return results for
         (those not in `samples` are dropped unwritten)."""
         ...
 
 
-@dataclass(frozen=True)
-class GenerateRows:
-    """Generated rows: one sampled request per row, for all of its `n` samples.
+class ModelLimits(Protocol):
+    """What a preparer checks rows against (an Engine has both)."""
 
-    On resume a row with only some samples written is run whole and the written
-    samples are dropped: a sample's random stream is (seed, sample index), so it
-    cannot be asked for alone, and a seeded rerun reproduces the missing ones exactly.
-    """
+    max_context: int
+    vocab_size: int
 
-    keep_prompt_ids: bool = False  # the output format writes the prompt's token ids
 
-    def pending_samples(self, spec: RowSpec, resume: ResumeState | None) -> list[int]:
-        samples = range(spec.sampling.n)
-        return resume.missing_samples(spec.id, samples) if resume is not None else list(samples)
+@dataclass
+class JobParts:
+    """What a command brings to its job, made once the tokenizer and the model's limits are known."""
 
-    def sort_key(self, spec: RowSpec) -> tuple[list[int], list[list[int]]]:
-        return spec.token_ids or [], []  # all set once tokenized
+    preparer: PromptPreparer
+    fmt: OutputFormat
+    kind: RowKind[Any]
+    openai: RowConverter | None = None  # OpenAI Batch API input: its converter
 
-    def submit(self, engine: Engine, spec: RowSpec, samples: list[int], request_id: str) -> list[int]:
-        token_ids = spec.token_ids
-        assert token_ids is not None  # tokenized, not yet submitted
-        if not self.keep_prompt_ids:
-            spec.token_ids = None  # the engine holds its own copy; in-flight rows stay small
-        engine.add_request(token_ids, spec.sampling, request_id=request_id)
-        return list(range(spec.sampling.n))
+
+class PartsPlan(Protocol):
+    """A command's parts as its command line chose them (GenerateParts, ScoreParts): `build` makes them."""
+
+    @property
+    def chat(self) -> bool:
+        """Prompts are rendered with the chat template: the tokenizer must have one."""
+        ...
+
+    def build(self, tokenizer: Tokenizer, limits: ModelLimits) -> JobParts: ...
 
 
 DEFAULT_WINDOW = 4096
@@ -138,7 +157,7 @@ class JobProgress:
 class _Row:
     """An input row being generated; `remaining` counts samples still running."""
 
-    spec: RowSpec
+    parsed: ParsedRow
     remaining: int
     results: list[tuple[int, GenerationOutput]] = field(default_factory=list)
     skip: set[int] = field(default_factory=set)  # samples already in OUTPUT (resume)
@@ -152,13 +171,13 @@ class _Request:
     remaining: int
 
 
-class GenerateJob:
+class Job:
     """Runs one job to completion (or until stopped).
 
     engine: an Engine (add_request or add_score_request, get_result, stop).
     rows: the input rows. preparer: validation and tokenization.
     fmt: the output format (CbrunFormat, OpenAIFormat, ScoreFormat); writer: where rows go.
-    kind: the rows' kind (default: generated rows, `GenerateRows`; scored: `cbrun.data.score.ScoreRows`).
+    kind: the rows' kind (default: generated rows, `GenerateRows`; scored: `ScoreRows`, data/score/row_kind.py).
     openai: set when the input is OpenAI Batch API requests (rows are converted first).
     resume: what an earlier run wrote (those rows are skipped).
     """
@@ -167,12 +186,12 @@ class GenerateJob:
         self,
         engine: Engine,
         rows: Iterable[RawRow],
-        preparer: RowPreparer,
+        preparer: PromptPreparer,
         fmt: OutputFormat,
         writer: RowWriter,
         *,
-        kind: RowKind[Any] | None = None,  # takes the specs `preparer` makes
-        openai: OpenAIFormat | None = None,
+        kind: RowKind[Any] | None = None,  # takes the parsed_rows `preparer` makes
+        openai: RowConverter | None = None,
         resume: ResumeState | None = None,
         window: int = DEFAULT_WINDOW,
         progress: JobProgress | None = None,
@@ -230,30 +249,30 @@ class GenerateJob:
     # --- input side -----------------------------------------------------------
 
     def _submit(self, raws: list[RawRow]) -> None:
-        specs: list[RowSpec] = []
+        parsed_rows: list[ParsedRow] = []
         missing: dict[int, list[int]] = {}  # row index -> samples to generate
         for raw in raws:
-            spec = self._parse(raw)
-            if isinstance(spec, BadRow):
-                self._write_bad(spec)
+            parsed = self._parse(raw)
+            if isinstance(parsed, BadRow):
+                self._write_bad(parsed)
                 continue
-            samples = self.kind.pending_samples(spec, self.resume)
+            samples = self.kind.pending_samples(parsed, self.resume)
             if not samples:
                 self._count_skipped()
                 continue
-            specs.append(spec)
-            missing[spec.index] = samples
-        ready: list[RowSpec] = []
-        for item in self.preparer.tokenize(specs):
+            parsed_rows.append(parsed)
+            missing[parsed.index] = samples
+        ready: list[ParsedRow] = []
+        for item in self.preparer.tokenize(parsed_rows):
             if isinstance(item, BadRow):
                 self._write_bad(item)
             else:
                 ready.append(item)
         ready.sort(key=self.kind.sort_key)
-        for spec in ready:
-            self._add(spec, missing[spec.index])
+        for parsed in ready:
+            self._add(parsed, missing[parsed.index])
 
-    def _parse(self, raw: RawRow) -> RowSpec | BadRow:
+    def _parse(self, raw: RawRow) -> ParsedRow | BadRow:
         if self.openai is None:
             return self.preparer.parse(raw)
         converted = self.openai.convert(raw)
@@ -262,11 +281,11 @@ class GenerateJob:
         record, meta = converted
         return self.preparer.parse(raw, record, meta)
 
-    def _add(self, spec: RowSpec, samples: list[int]) -> None:
+    def _add(self, parsed: ParsedRow, samples: list[int]) -> None:
         """Submit a row for `samples`; results for other samples (see `RowKind.submit`) are dropped."""
-        request_id = str(spec.index)
-        returned = self.kind.submit(self.engine, spec, samples, request_id)
-        row = _Row(spec, remaining=len(returned), skip=set(returned) - set(samples))
+        request_id = str(parsed.index)
+        returned = self.kind.submit(self.engine, parsed, samples, request_id)
+        row = _Row(parsed, remaining=len(returned), skip=set(returned) - set(samples))
         self.progress.rows_in_flight += 1
         self._requests[request_id] = _Request(row, len(returned))
 
@@ -299,11 +318,11 @@ class GenerateJob:
             row.killed = True
         elif sample not in row.skip:
             row.failed |= out.finish_reason == "error"
-            self._count_tokens(row.spec, out)
+            self._count_tokens(row.parsed, out)
             if self.fmt.per_row:
                 row.results.append((sample, out))
             else:
-                self._write(self.fmt.result_rows(row.spec, [(sample, out)]))
+                self._write(self.fmt.result_rows(row.parsed, [(sample, out)]))
         if row.remaining == 0:
             self._finish_row(row)
 
@@ -312,7 +331,7 @@ class GenerateJob:
         if row.killed:
             return  # not written (or only partly, per sample): --resume redoes it
         if self.fmt.per_row:
-            self._write(self.fmt.result_rows(row.spec, row.results))
+            self._write(self.fmt.result_rows(row.parsed, row.results))
         self.progress.rows_done += 1
         self.progress.rows_failed += row.failed
 
@@ -321,8 +340,8 @@ class GenerateJob:
             self.writer.write(row)
         self.progress.samples_written += len(rows)
 
-    def _count_tokens(self, spec: RowSpec, out: GenerationOutput) -> None:
-        self.progress.prompt_tokens += spec.num_prompt_tokens
+    def _count_tokens(self, parsed: ParsedRow, out: GenerationOutput) -> None:
+        self.progress.prompt_tokens += parsed.num_prompt_tokens
         self.progress.completion_tokens += len(out.token_ids)
         self.progress.cached_tokens += out.num_cached_tokens
 

@@ -1,85 +1,39 @@
-"""From an input row to what the engine needs: an id, prompt token ids, sampling.
+"""What every command does with a row's prompt: find it, render a chat, tokenize, check its length.
 
-Validation happens here so that every bad row becomes an error row whose message
-names the row, the field and the reason (`row 3: top_p: must be in (0, 1], got 2`).
-The engine checks again (it fails a bad request alone), but its messages cannot
-name input rows.
+`PromptPreparer` is the base of the commands' preparers (generate's in
+data/generate/preparer.py, score's in data/score/preparer.py); each adds
+`parse`, which reads the rest of its rows. Validation happens here so that
+every bad row becomes an error row whose message names the row, the field
+and the reason (`row 3: top_p: must be in (0, 1], got 2`). The engine checks
+again (it fails a bad request alone), but its messages cannot name input rows.
 
 Preparation is split in two steps so that `--resume` can skip finished rows
 before paying for tokenization: `parse()` (id, sampling, which prompt) and
-`tokenize()` (token ids, context and vocabulary checks), done per window so the
-tokenizer encodes many texts in one call.
+`tokenize()` (token ids, context and vocabulary checks), done per window so
+the tokenizer encodes many texts in one call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from cbrun.data.chat import ChatContentError, flatten_messages
-from cbrun.data.constraints import row_constraint
 from cbrun.data.reader import RawRow
-from cbrun.engine.config import ConfigError, SamplingParams
+from cbrun.data.rows import BadRow, ParsedRow, RowT
+from cbrun.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cbrun.engine.model_spec import Tokenizer
 
 PROMPT_FIELDS = ("prompt", "messages", "input_ids")
-SAMPLING_OVERRIDES = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
-INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs"}
-ID_FIELDS = ("id", "custom_id")
 
 
-@dataclass
-class BadRow:
-    """A row that cannot be run; `message` names the row, the field and the reason."""
-
-    index: int
-    id: str
-    message: str
-    keep: dict = field(default_factory=dict)
-    meta: dict | None = None
-
-    @classmethod
-    def from_spec(cls, spec: RowSpec, reason: str) -> BadRow:
-        """A parsed row found bad later (at tokenization or a length check): the message names its place
-        as parsing would, and the row keeps its kept columns and format extras for its error row."""
-        return cls(spec.index, spec.id, f"{spec.where}: {reason}", spec.keep, spec.meta)
-
-
-@dataclass
-class RowSpec:
-    """A parsed row whose prompt is not tokenized yet.
-
-    kind: "text", "chat" or "ids"; value: the string, the messages or the ids
-    (dropped once `token_ids` is set, to keep in-flight rows small; the job
-    drops `token_ids` too once submitted, keeping `num_prompt_tokens`).
-    meta: format-specific extras (the OpenAI endpoint and logprob options).
-    """
-
-    index: int
-    id: str
-    where: str
-    kind: str
-    field: str
-    value: Any
-    sampling: SamplingParams
-    keep: dict = dataclasses.field(default_factory=dict)  # (`field` is a str attribute in this class's scope)
-    meta: dict | None = None
-    token_ids: list[int] | None = None
-    num_prompt_tokens: int = 0
-
-
-SpecT = TypeVar("SpecT", bound=RowSpec)  # a RowSpec or a subclass (score rows): tokenize hands back the same kind
-
-
-class RowPreparer:
-    """Validates rows and builds prompt token ids.
+class PromptPreparer:
+    """Validates rows and builds prompt token ids; a command's preparer adds `parse`.
 
     tokenizer: a transformers tokenizer (chat template for `messages` rows).
-    base: the command line's sampling values; rows may override some fields.
+    base: the job's sampling values; rows may override some fields (generate).
     max_context: the model's context length; prompt plus max_tokens must fit in it.
     vocab_size: token ids must be in [0, vocab_size).
     prompt_column: read the prompt from this column instead of prompt/messages/input_ids.
@@ -105,59 +59,13 @@ class RowPreparer:
         self.prompt_column = prompt_column
         self.chat = chat
         self.keep_columns = keep_columns
-        self._seen: dict[str, int] = {}  # id -> first row using it
 
-    # --- step 1: everything but tokenization --------------------------------
-
-    def parse(self, raw: RawRow, record: dict | None = None, meta: dict | None = None) -> RowSpec | BadRow:
-        """Validate a row's id, sampling overrides and prompt source.
+    def parse(self, raw: RawRow, record: dict | None = None, meta: dict | None = None) -> ParsedRow | BadRow:
+        """Step 1: validate what the row asks, everything but tokenization (each command's own rows).
 
         record/meta: a converted record (OpenAI batch input) to use instead of raw.record.
         """
-        record = raw.record if record is None else record
-        where = raw.where
-        if record is None:
-            return BadRow(raw.index, str(raw.index), f"{where}: {raw.error}", meta=meta)
-        keep = {name: record.get(name) for name in self.keep_columns}
-
-        row_id, id_error = record_id(record, raw.index)
-
-        def bad(reason: str) -> BadRow:
-            return BadRow(raw.index, row_id, f"{where}: {reason}", keep, meta)
-
-        if id_error:
-            return bad(id_error)
-        first = self._seen.setdefault(row_id, raw.index)
-        if first != raw.index:
-            return bad(f"id: duplicate id {row_id!r} (first used by row {first})")
-
-        overrides = SAMPLING_OVERRIDES + (("top_logprobs",) if meta else ())
-        changes: dict[str, Any] = {}
-        for name in overrides:
-            value = record.get(name)
-            if value is None:
-                continue
-            try:
-                changes[name] = _coerce(name, value)
-            except ConfigError as exc:
-                return bad(f"{name}: {exc}")
-        try:  # all at once: a row may lower max_tokens and min_tokens together
-            sampling = self.base.with_(**changes) if changes else self.base
-        except (ConfigError, TypeError, ValueError) as exc:
-            name = next((n for n in changes if str(exc).startswith(n + " ")), next(iter(changes)))
-            return bad(f"{name}: {_strip_field(name, str(exc))}")
-
-        constraint = row_constraint(record)  # the row's own structured-output constraint overrides the job's
-        if isinstance(constraint, str):
-            return bad(constraint)
-        if constraint is not None:
-            sampling = sampling.with_(structured=constraint)
-
-        source = self._prompt_source(record)
-        if isinstance(source, str):
-            return bad(source)
-        kind, field_name, value = source
-        return RowSpec(raw.index, row_id, where, kind, field_name, value, sampling, keep, meta)
+        raise NotImplementedError
 
     def _prompt_source(self, record: dict) -> tuple[str, str, Any] | str:
         """(kind, field, value) of the row's prompt, or an error message."""
@@ -188,92 +96,61 @@ class RowPreparer:
 
     # --- step 2: token ids ----------------------------------------------------
 
-    def tokenize(self, specs: Sequence[SpecT]) -> list[SpecT | BadRow]:
-        """Fill in `token_ids` for each spec (texts encoded in few tokenizer calls).
+    def tokenize(self, rows: Sequence[RowT]) -> list[RowT | BadRow]:
+        """Fill in `token_ids` for each row (texts encoded in few tokenizer calls).
 
         Text prompts are encoded as the tokenizer does by default (special tokens
         added); rendered chats already hold their special tokens.
         """
-        results: list[SpecT | BadRow] = []
-        to_encode: list[tuple[SpecT, str, bool]] = []  # (spec, text, add_special_tokens)
-        for spec in specs:
-            if spec.kind == "ids":
-                spec.token_ids = spec.value if isinstance(spec.value, list) else list(spec.value)
-                spec.value = None
-                results.append(spec)
+        results: list[RowT | BadRow] = []
+        to_encode: list[tuple[RowT, str, bool]] = []  # (row, text, add_special_tokens)
+        for row in rows:
+            if row.kind == "ids":
+                row.token_ids = row.value if isinstance(row.value, list) else list(row.value)
+                row.value = None
+                results.append(row)
                 continue
-            text = spec.value if spec.kind == "text" else self._render_chat(spec)
+            text = row.value if row.kind == "text" else self._render_chat(row)
             if isinstance(text, BadRow):
                 results.append(text)
                 continue
-            results.append(spec)
-            to_encode.append((spec, text, spec.kind == "text"))
+            results.append(row)
+            to_encode.append((row, text, row.kind == "text"))
         for add_special in (True, False):
-            group = [(spec, text) for spec, text, flag in to_encode if flag == add_special]
+            group = [(row, text) for row, text, flag in to_encode if flag == add_special]
             if group:
                 encoded = self.tokenizer([text for _, text in group], add_special_tokens=add_special)["input_ids"]
-                for (spec, _), ids in zip(group, encoded):
-                    spec.token_ids, spec.value = list(ids), None  # the text is not needed any more
-        return [self._check(r) if isinstance(r, RowSpec) else r for r in results]
+                for (row, _), ids in zip(group, encoded):
+                    row.token_ids, row.value = list(ids), None  # the text is not needed any more
+        return [self._check(r) if isinstance(r, ParsedRow) else r for r in results]
 
-    def _render_chat(self, spec: RowSpec) -> str | BadRow:
+    def _render_chat(self, row: ParsedRow) -> str | BadRow:
         if not getattr(self.tokenizer, "chat_template", None):
-            return BadRow.from_spec(spec, f"{spec.field}: the model's tokenizer has no chat template")
+            return BadRow.from_row(row, f"{row.field}: the model's tokenizer has no chat template")
         try:
-            return self.tokenizer.apply_chat_template(spec.value, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(row.value, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors, missing keys: the row is bad, the job goes on
-            return BadRow.from_spec(spec, f"{spec.field}: chat template failed: {exc}")
+            return BadRow.from_row(row, f"{row.field}: chat template failed: {exc}")
 
-    def _check(self, spec: SpecT) -> SpecT | BadRow:
-        ids = spec.token_ids or []
-        spec.num_prompt_tokens = len(ids)
+    def _check(self, row: RowT) -> RowT | BadRow:
+        ids = row.token_ids or []
+        row.num_prompt_tokens = len(ids)
         if not ids:
-            return BadRow.from_spec(spec, f"{spec.field}: empty prompt (no tokens)")
-        max_tokens = spec.sampling.max_tokens
+            return BadRow.from_row(row, f"{row.field}: empty prompt (no tokens)")
+        max_tokens = row.sampling.max_tokens
         if len(ids) + max_tokens > self.max_context:
-            return BadRow.from_spec(
-                spec,
-                f"{spec.field}: prompt of {len(ids)} tokens plus max_tokens {max_tokens} "
+            return BadRow.from_row(
+                row,
+                f"{row.field}: prompt of {len(ids)} tokens plus max_tokens {max_tokens} "
                 f"exceeds the model's context of {self.max_context} tokens",
             )
-        if spec.kind == "ids" and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+        if row.kind == "ids" and not (min(ids) >= 0 and max(ids) < self.vocab_size):
             pos, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-            return BadRow.from_spec(
-                spec,
-                f"{spec.field}: token id {token} at position {pos} is outside the vocabulary [0, {self.vocab_size})",
+            return BadRow.from_row(
+                row,
+                f"{row.field}: token id {token} at position {pos} is outside the vocabulary [0, {self.vocab_size})",
             )
-        return spec
-
-
-def record_id(record: dict, index: int) -> tuple[str, str | None]:
-    """The row's id as a string (id, else custom_id, else the row number) and an error, if any.
-
-    The one rule for the output's id column: the generate and score preparers and the shard split (which
-    must send all rows of an id to one shard) read ids through it.
-    """
-    for name in ID_FIELDS:
-        value = record.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            return str(index), f"{name}: must be a string or an integer, got {type(value).__name__}"
-        return str(value), None
-    return str(index), None
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """JSON and Parquet give 10.0 for 10 sometimes; accept integral floats for integer fields."""
-    if name in INT_FIELDS and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if name == "stop" and isinstance(value, list):
-        return tuple(value)
-    if name == "stop" and not isinstance(value, str):
-        raise ConfigError(f"must be a string or a list of strings, got {value!r}")
-    return value
-
-
-def _strip_field(name: str, message: str) -> str:
-    return message[len(name) + 1 :] if message.startswith(name + " ") else message
+        return row
 
 
 def _prompt_kind(value: Any) -> str | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cbrun.data.schema import RowKey
+from cbrun.data.output_rows import RowKey
 from cbrun.data.writers import journal_path
 
 Classify = Callable[[dict], RowKey]

@@ -24,9 +24,22 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, Protocol, runtime_checkable
 
-from cbrun.data.schema import STOPPED_MARKER, CbrunFormat
+from cbrun.data.generate.format import CbrunFormat
+from cbrun.data.output_rows import STOPPED_MARKER
+
+
+@runtime_checkable
+class TableFormat(Protocol):
+    """An output format whose rows have fixed columns, so they can be a Parquet table (CbrunFormat, ScoreFormat)."""
+
+    @property
+    def keep_columns(self) -> tuple[str, ...]: ...
+
+    def arrow_schema(self, keep_types: dict | None = None) -> Any:  # a pyarrow.Schema (pyarrow is untyped)
+        ...
+
 
 FLUSH_ROWS = 256
 FLUSH_SECONDS = 2.0
@@ -48,7 +61,7 @@ class JsonlWriter:
 
     def __init__(
         self,
-        stream: BinaryIO,
+        stream: IO[bytes],
         *,
         fsync: bool = True,
         flush_rows: int = FLUSH_ROWS,
@@ -95,7 +108,7 @@ class JsonlWriter:
 class ParquetOutput:
     """A Parquet output written through a JSON Lines journal (see the module docstring)."""
 
-    def __init__(self, path: Path, fmt: CbrunFormat, **kwargs: Any):
+    def __init__(self, path: Path, fmt: TableFormat, **kwargs: Any):
         self.path = path
         self.journal = journal_path(path)
         self.fmt = fmt
@@ -119,7 +132,7 @@ class ParquetOutput:
         finalize_parquet(self.path, self.journal, self.fmt)
 
 
-def finalize_parquet(path: Path, journal: Path, fmt: CbrunFormat) -> None:
+def finalize_parquet(path: Path, journal: Path, fmt: TableFormat) -> None:
     """Merge an existing Parquet OUTPUT and the journal into a new OUTPUT, atomically."""
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -1,20 +1,21 @@
 """The synchronous engine core: one `step()` is schedule -> build -> forward -> sample -> update.
 
-No threads here: `Engine` (engine.py) runs `step()` in a background loop and
-owns queues, results and streams. Keeping the core synchronous makes it easy
-to test and to reason about: read `step()` and you know the engine.
+No threads and no locks here: one thread, the engine's loop (core_loop.py),
+calls every method, and the request API (engine.py) owns queues, results and
+streams. Requests arrive validated (processor.py). Keeping the core
+synchronous makes it easy to test and to reason about: read `step()` and you
+know the engine.
 
 A request's life ends in one place, `finish`: its status, reason, error,
 finish time and final text, and the stats counter of how it ended. Every end
 goes through it: stop and length, a grammar's error, a request the scheduler
 found too large, a failed forward, and the engine's cancels, hard stops,
-failed steps and requests refused before they reach the loop.
+failed steps and requests the processor refused.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,16 +28,18 @@ from cbrun.engine.cache.kv_cache import KVCacheManager
 from cbrun.engine.cache.kv_store import KVStore
 from cbrun.engine.cache.offload import make_preemptor
 from cbrun.engine.cache.sizing import choose_num_blocks
-from cbrun.engine.config import EngineConfig, StatsSnapshot, StructuredSpec
+from cbrun.engine.config import EngineConfig
 from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.grammar import GrammarCompiler, GrammarState, MaskFiller
 from cbrun.engine.model_spec import CausalLM, ModelSpec, Tokenizer, default_device, read_model_spec
 from cbrun.engine.request import Request, RequestStatus
+from cbrun.engine.sample.scoring import ScoredRows
 from cbrun.engine.scheduler import Scheduler
+from cbrun.engine.stats import StatsSnapshot
 from cbrun.engine.step.attention import register as register_attention
 from cbrun.engine.step.batch import BatchBuilder, PagedBatch
 from cbrun.engine.step.model_runner import ModelRunner, StepLogits
-from cbrun.engine.step.scoring import ScoredRows
+from cbrun.engine.stop_checks import check_stop
 from cbrun.engine.weights import StashTarget, WeightStash, give_back_memory
 
 log = logging.getLogger("cbrun.engine")
@@ -94,14 +97,13 @@ class EngineCore:
             config.page_size,
             self.spec.sliding_window,
             self.device,
-            self.backend,
+            self.backend.metadata_builder,
         )
         self.runner = ModelRunner(model, self.backend)
         self.detok = Detokenizer(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self.spec.vocab_size)  # structured outputs, one compile per spec
         self._masks: MaskFiller | None = None  # started with the first constrained request
         self._stats = StatsSnapshot(blocks_total=num_blocks)
-        self._ends_lock = threading.Lock()  # `finish` is also called by callers' threads, for refused requests
         self._started = time.perf_counter()
         self._stash: WeightStash | None = None  # the weights while asleep at level 2
         log.info(
@@ -122,48 +124,7 @@ class EngineCore:
         if self._masks is not None:
             self._masks.close()
 
-    # -- requests ---------------------------------------------------------
-    def validate(self, prompt_ids: list[int], max_tokens: int) -> str | None:
-        """Why this prompt cannot run, or None."""
-        if not prompt_ids:
-            return "empty prompt"
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size), None)
-        if bad is not None:
-            return f"token id {bad!r} is outside the vocabulary (0..{self.spec.vocab_size - 1})"
-        total = len(prompt_ids) + max_tokens
-        if total > self.spec.max_context:
-            return (
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"the model's context of {self.spec.max_context} tokens"
-            )
-        needed = self.cache.max_blocks_for(len(prompt_ids) + 1)
-        if needed > self.cache.pool.num_blocks:
-            return (
-                f"prompt needs {needed} KV-cache blocks but the whole cache has "
-                f"{self.cache.pool.num_blocks}; raise num_blocks or shorten the prompt"
-            )
-        return None
-
-    def validate_score(self, prompt_ids: list[int], completion_ids: list[int]) -> str | None:
-        """Why this (prompt, completion) pair cannot be scored, or None."""
-        if not completion_ids:
-            return "empty completion: nothing to score"
-        bad = next((t for t in completion_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size), None)
-        if bad is not None:
-            return f"completion token id {bad!r} is outside the vocabulary (0..{self.spec.vocab_size - 1})"
-        error = self.validate(prompt_ids, len(completion_ids))
-        needed = self.cache.max_blocks_for(len(prompt_ids) + len(completion_ids) - 1)
-        if error is None and needed > self.cache.pool.num_blocks:
-            error = (
-                f"prompt plus completion need {needed} KV-cache blocks but the whole cache has "
-                f"{self.cache.pool.num_blocks}; raise num_blocks or shorten them"
-            )
-        return error
-
-    def check_structured(self, spec: StructuredSpec | None) -> str | None:
-        """Why a structured-output constraint cannot be enforced, or None (compiled once per distinct spec)."""
-        return None if spec is None else self.grammars.check(spec)
-
+    # -- requests (validated by the processor before they get here) ---------
     def add(self, request: Request) -> None:
         params = request.sampling
         if params.min_tokens and request.score is None:  # the ids min_tokens holds back
@@ -189,8 +150,7 @@ class EngineCore:
         """End a request's life: the one place its final status, reason, error and finish time are set and
         its end is counted in the stats. `remove` it instead while it holds blocks or a queue place.
 
-        Also called by callers' threads (for requests refused before they reach the loop), so the counters
-        are updated under a lock; such requests have no generated text to decode.
+        Requests the processor refused come here too, from the loop, before they ever run.
         """
         request.status = status
         request.finish_reason = reason
@@ -201,8 +161,7 @@ class EngineCore:
             RequestStatus.FAILED: "failed",
             RequestStatus.CANCELLED: "cancelled",
         }[status]
-        with self._ends_lock:
-            setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
         request.text = self.detok.final_text(request) if request.num_generated and request.score is None else ""
 
     def live_requests(self) -> list[Request]:
@@ -306,7 +265,7 @@ class EngineCore:
         top: list[tuple[int, float]] | None,
         outcome: StepOutcome,
     ) -> None:
-        """Add a sampled token, then end the request if a stop condition holds."""
+        """Add a sampled token, then end the request if a stop condition holds (stop_checks.py)."""
         request.all_token_ids.append(token)
         if request.grammar is not None:
             request.grammar.consume(token)
@@ -316,7 +275,7 @@ class EngineCore:
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
         self._stats.generated_tokens += 1
-        reason = self._stop_reason(request, token)
+        reason = check_stop(request, token, self.spec.eos_token_ids, self.spec.max_context, self.detok)
         if request.grammar is not None and request.grammar.error is not None:
             self.remove(request, RequestStatus.FAILED, "error", request.grammar.error)
             outcome.finished.append(request)
@@ -327,25 +286,6 @@ class EngineCore:
         if reason is not None:
             self.remove(request, RequestStatus.FINISHED, reason)
             outcome.finished.append(request)
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        params = request.sampling
-        if request.grammar is not None and request.grammar.complete:
-            return "stop"
-        if request.num_generated >= params.min_tokens and self._stops(request, token):
-            return "stop"
-        if request.num_generated >= params.max_tokens or request.num_tokens >= self.spec.max_context:
-            return "length"
-        return None
-
-    def _stops(self, request: Request, token: int) -> bool:
-        """Whether the token, or the text it completes, is one of the request's stops."""
-        params = request.sampling
-        if token in params.stop_token_ids:
-            return True
-        if not params.ignore_eos and token in self.spec.eos_token_ids:
-            return True
-        return self.detok.stop_string_hit(request)
 
     # -- weights and memory between rollouts ----------------------------------
     def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
@@ -396,7 +336,7 @@ class EngineCore:
         if weights and self._stash is not None:
             self._stash.restore()
             self._stash = None
-            self.backend.install(self.model, self.spec)
+            self._install_backend()
         if not kv_cache or self.store.data is not None:
             return
         self.store.allocate()
@@ -405,6 +345,11 @@ class EngineCore:
             prefault = min(self.config.prefault_blocks, self.store.num_blocks)
             self.store.prefault(prefault)
             self.cache.pool.touched = prefault
+
+    def _install_backend(self) -> None:
+        """Install the backend on the model again; the batch builder takes the metadata builder it chose."""
+        self.backend.install(self.model, self.spec)
+        self.builder.metadata = self.backend.metadata_builder
 
     def _require_idle(self, action: str) -> None:
         if self.scheduler.has_work():

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cbrun.engine.config import StructuredSpec
 from cbrun.engine.model_spec import Tokenizer
-from cbrun.engine.step.compiled import SamplingKernels
+from cbrun.engine.sample.kernels import SamplingKernels
+from cbrun.engine.sampling_params import StructuredSpec
 
 if TYPE_CHECKING:  # llguidance is imported where it is used (its native library loads then)
     from llguidance import LLMatcher, LLTokenizer

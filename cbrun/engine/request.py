@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cbrun.engine.config import SamplingParams
+from cbrun.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cbrun.engine.grammar import GrammarState
@@ -100,7 +100,7 @@ class StreamChunk:
 
 
 @dataclass(frozen=True)
-class ScoreSpec:
+class ScoreParams:
     """What a scoring request wants: logprobs of a given completion, not new tokens.
 
     The request runs as a prefill of prompt + completion[:-1] that keeps the
@@ -137,7 +137,7 @@ class Request:
     finish_time: float | None = None
     stream: bool = False
     stream_text: str = ""  # text already sent to the stream
-    score: ScoreSpec | None = None  # set for a scoring (teacher-forced, prefill-only) request
+    score: ScoreParams | None = None  # set for a scoring (teacher-forced, prefill-only) request
     prompt_logprobs: list[float] | None = None  # scoring: logprob of prompt token i + 1, per position i
     is_greedy: bool = True  # scoring: every completion token so far was the argmax
     grammar: GrammarState | None = None  # structured outputs: the matcher and next-token mask

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from cbrun.engine.model_spec import Tokenizer
 from cbrun.llm.params import SamplingParams, UnsupportedFieldError
 
 PromptInput = str | dict | Sequence[int]
@@ -19,7 +20,7 @@ def as_prompt_list(prompts: Any) -> list[str | dict]:
     raise TypeError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
 
 
-def encode_prompts(prompts: list[str | dict], tokenizer) -> list[tuple[str | None, list[int]]]:
+def encode_prompts(prompts: list[str | dict], tokenizer: Tokenizer | None) -> list[tuple[str | None, list[int]]]:
     """(text, ids) per prompt; texts are encoded in one tokenizer call, special tokens added (as vLLM)."""
     parsed: list[tuple[str | None, list[int] | None]] = [_parse(i, p) for i, p in enumerate(prompts)]
     texts = [text for text, ids in parsed if ids is None]

@@ -24,6 +24,8 @@ from typing import Any
 
 from cbrun.data.chat import flatten_messages
 from cbrun.engine import Engine, EngineConfig, GenerationOutput
+from cbrun.engine.model_spec import Tokenizer
+from cbrun.engine.sampling_params import SamplingParams as EngineSampling
 from cbrun.engine.weights import WeightSource
 from cbrun.llm.engine_args import engine_config as translate_options
 from cbrun.llm.inputs import as_prompt_list, encode_prompts, per_prompt
@@ -138,7 +140,7 @@ class LLM:
         rids = [str(next(self._ids)) for _ in items]
         engine_params = [self._engine_params(index, ids, p) for index, ((_, ids), p) in enumerate(zip(items, params))]
         self.engine.add_requests([ids for _, ids in items], engine_params, rids)
-        scored = {}
+        scored: dict[str, GenerationOutput | None] = {}
         for rid, (_, ids), p in zip(rids, items, params):
             if p.prompt_logprobs is not None and len(ids) > 1:
                 k = _count(p.prompt_logprobs, self.engine.vocab_size)
@@ -151,7 +153,7 @@ class LLM:
             for rid, (text, ids), p in zip(rids, items, params)
         ]
 
-    def _engine_params(self, index: int, ids: list[int], params: SamplingParams):
+    def _engine_params(self, index: int, ids: list[int], params: SamplingParams) -> EngineSampling:
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(
@@ -162,7 +164,13 @@ class LLM:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return params.to_engine(max_tokens, self.engine.vocab_size, seed)
 
-    def _collect(self, rids: list[str], params: list[SamplingParams], scored: dict, use_tqdm: Any) -> dict:
+    def _collect(
+        self,
+        rids: list[str],
+        params: list[SamplingParams],
+        scored: dict[str, GenerationOutput | None],
+        use_tqdm: Any,
+    ) -> dict[str, list[GenerationOutput]]:
         """Every sample of every request (and each prompt-scoring result into `scored`), as they finish."""
         wanted = {rid: p.n for rid, p in zip(rids, params)}
         samples: dict[str, list[GenerationOutput]] = defaultdict(list)
@@ -190,7 +198,13 @@ class LLM:
             )
         return {rid: sorted(samples[rid], key=lambda o: o.sample_index) for rid in rids}
 
-    def _raw_logprobs(self, rids, items, params, samples) -> dict:
+    def _raw_logprobs(
+        self,
+        rids: list[str],
+        items: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        samples: dict[str, list[GenerationOutput]],
+    ) -> dict[tuple[str, int], GenerationOutput]:
         """(rid, sample) -> teacher-forced logprobs at temperature 1 for samples drawn at another
         temperature: vLLM reports raw logprobs, the engine the tempered ones it drew from."""
         todo = [
@@ -205,9 +219,9 @@ class LLM:
                 completions,
                 f"{rid}/raw",
                 samples=[o.sample_index for o in samples[rid]],
-                top_logprobs=_count(p.logprobs, self.engine.vocab_size),
+                top_logprobs=_count(p.logprobs or 0, self.engine.vocab_size),  # todo holds rows with logprobs
             )
-        raw = {}
+        raw: dict[tuple[str, int], GenerationOutput] = {}
         for _ in range(sum(p.n for _, _, p in todo)):
             out = self.engine.get_result(timeout=None)
             if out.error is not None:
@@ -215,11 +229,23 @@ class LLM:
             raw[(out.request_id[: -len("/raw")], out.sample_index)] = out
         return raw
 
-    def _request_output(self, rid, text, ids, params, samples, prompt_scored, raw) -> RequestOutput:
+    def _request_output(
+        self,
+        rid: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        samples: list[GenerationOutput],
+        prompt_scored: GenerationOutput | None,
+        raw: dict[tuple[str, int], GenerationOutput],
+    ) -> RequestOutput:
         outputs = []
         for out in samples:
             again = raw.get((rid, out.sample_index))
-            outputs.append(self._out.completion(out, params, again and again.logprobs, again and again.top_logprobs))
+            if again is None:
+                outputs.append(self._out.completion(out, params, None, None))
+            else:
+                outputs.append(self._out.completion(out, params, again.logprobs, again.top_logprobs))
         prompt_logprobs = self._out.prompt_logprobs(ids, prompt_scored) if params.prompt_logprobs is not None else None
         return RequestOutput(
             rid,
@@ -248,7 +274,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
     def close(self) -> None:
@@ -259,7 +285,7 @@ class LLM:
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbrun.engine.model_spec import Tokenizer
 from cbrun.engine.request import GenerationOutput
 from cbrun.llm.params import SamplingParams
 
@@ -59,7 +61,7 @@ class RequestOutput:
 class OutputBuilder:
     """Turns engine results into vLLM's types for one tokenizer and model."""
 
-    def __init__(self, tokenizer, eos_token_ids) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: Iterable[int]) -> None:
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
         self._pieces: dict[int, str] = {}
@@ -118,7 +120,7 @@ class OutputBuilder:
         if out.finish_reason == "stop" and ids and self._ended_by_token(ids[-1], params):
             ids = ids[:-1]  # as vLLM: the stop token is not detokenized
         text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        hits = [(text.find(s), s) for s in params.stop if s in text]
+        hits = [(text.find(s), s) for s in params.stop_strings if s in text]
         if hits and out.finish_reason == "stop":
             at, stop = min(hits)
             text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
@@ -129,16 +131,17 @@ class OutputBuilder:
         if out.finish_reason != "stop" or not out.token_ids:
             return None
         last = out.token_ids[-1]
-        if last in params.stop_token_ids:
+        if last in params.stop_ids:
             return last
-        if self._ended_by_token(last, params) or not params.stop:
+        if self._ended_by_token(last, params) or not params.stop_strings:
             return None
+        assert self.tokenizer is not None  # stop strings end a completion only where text is decoded
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        hits = [(text.find(s), s) for s in params.stop if s in text]
+        hits = [(text.find(s), s) for s in params.stop_strings if s in text]
         return min(hits)[1] if hits else None
 
     def _ended_by_token(self, token: int, params: SamplingParams) -> bool:
-        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos)
+        return token in params.stop_ids or (not params.ignore_eos and token in self.eos)
 
     def prompt_logprobs(self, prompt_ids: list[int], scored: GenerationOutput | None) -> list[PositionLogprobs | None]:
         """[None, {prompt token 1: ...}, ...] from a scoring run of prompt[1:] after prompt[0]."""

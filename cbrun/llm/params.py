@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from cbrun.engine.config import SamplingParams as EngineSampling, StructuredSpec
+from cbrun.engine.sampling_params import SamplingParams as EngineSampling, StructuredSpec
 
 _SAMPLING_EPS = 1e-5  # vLLM: a temperature below this is greedy
 
@@ -179,8 +179,8 @@ class SamplingParams:
             top_p=self.top_p,
             min_p=self.min_p,
             seed=self.seed if self.seed is not None else seed,
-            stop=tuple(self.stop),
-            stop_token_ids=tuple(self.stop_token_ids),
+            stop=tuple(self.stop_strings),
+            stop_token_ids=tuple(self.stop_ids),
             ignore_eos=self.ignore_eos,
             n=self.n,
             top_logprobs=_count(self.logprobs, vocab_size),
@@ -188,8 +188,20 @@ class SamplingParams:
         )
 
     @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as __post_init__ leaves it, a list (the field's type is what callers may pass)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """`stop_token_ids` as a list (None given: none)."""
+        return list(self.stop_token_ids or [])
+
+    @property
     def constraint(self) -> StructuredOutputsParams | None:
-        return self.structured_outputs or self.guided_decoding
+        value = self.structured_outputs or self.guided_decoding
+        assert not isinstance(value, dict)  # __post_init__ made it a StructuredOutputsParams
+        return value
 
     def clone(self) -> SamplingParams:
         return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})

@@ -37,7 +37,7 @@ class PromptProgress:
     def __enter__(self) -> PromptProgress:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.close()
         elif self._rich is not None:

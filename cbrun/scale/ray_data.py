@@ -9,7 +9,7 @@
                                                     sampling=dict(max_tokens=64, temperature=0)))
     out.write_parquet("results/")                      # the columns of `cbrun generate`
 
-Each batch runs through the same `GenerateJob` as `cbrun generate` (validation,
+Each batch runs through the same `Job` as `cbrun generate` (validation,
 tokenization, prefix-sorted submission, the output format), so a batch's
 result rows have exactly the CLI's columns, and a bad row becomes an error row
 instead of failing the Ray task. Row order is not kept; ids are. Ray keeps no
@@ -29,10 +29,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cbrun.data.job import GenerateJob, JobProgress
-from cbrun.data.prompts import ID_FIELDS, RowPreparer
+from cbrun.data.generate.format import CbrunFormat
+from cbrun.data.generate.preparer import GeneratePreparer
+from cbrun.data.job import Job, JobProgress
 from cbrun.data.reader import RawRow
-from cbrun.data.schema import CbrunFormat
+from cbrun.data.rows import ID_FIELDS
 
 ROW, RECORD, ERROR, LINE = "__cbrun_row", "__cbrun_record", "__cbrun_error", "__cbrun_line"
 RAW_COLUMNS = (ROW, RECORD, ERROR, LINE)
@@ -97,7 +98,7 @@ class CbrunGenerator:
     def __call__(self, batch: Any):
         """Generate for every row of `batch` (pyarrow Table, pandas DataFrame or dict of columns)."""
         rows = raw_rows(batch)
-        preparer = RowPreparer(
+        preparer = GeneratePreparer(
             self._tokenizer,
             self.sampling,
             max_context=self.engine.max_context,
@@ -106,7 +107,7 @@ class CbrunGenerator:
         )
         sink = _RowSink()
         # one window holds the whole batch: every prompt is submitted at once, prefix-sorted
-        GenerateJob(self.engine, rows, preparer, self.fmt, sink, window=max(len(rows), 1), progress=JobProgress()).run()
+        Job(self.engine, rows, preparer, self.fmt, sink, window=max(len(rows), 1), progress=JobProgress()).run()
         return result_table(sink.rows, self.fmt)
 
     def __del__(self):
@@ -192,7 +193,7 @@ def result_table(rows: list[dict], fmt: CbrunFormat):
 
 
 class _RowSink:
-    """The writer a batch's GenerateJob writes to: rows kept in memory, returned as the batch's block."""
+    """The writer a batch's Job writes to: rows kept in memory, returned as the batch's block."""
 
     def __init__(self) -> None:
         self.rows: list[dict] = []

@@ -29,8 +29,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cbrun.data.prompts import record_id
 from cbrun.data.reader import RawRow
+from cbrun.data.rows import record_id
 
 SHARD_PLACEHOLDER = "{shard"  # `{shard}` or a format spec such as `{shard:05d}` in OUTPUT
 

@@ -1,7 +1,8 @@
 """Peer engines: each runs a warm-up and a timed pass over the same workload.
 
-A peer is a function `run(ctx, workload, warmup) -> PeerResult`. It raises
-`PeerUnavailable` when it cannot run here; any other exception is a failure.
+A peer is a function `run(ctx, workload, warmup) -> PeerResult` (registry.py
+finds it by name). It raises `PeerUnavailable` when it cannot run here; any
+other exception is a failure.
 Peers use public APIs only (cbrun's Engine contract, transformers'
 `generate_batch` / `generate`, vLLM's `LLM.generate`).
 """
@@ -15,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbrun.bench.result import PeerResult, PeerUnavailable  # noqa: F401  (re-exported for peers)
-from cbrun.bench.workload import Workload
 
 
 class Progress:
@@ -56,23 +56,3 @@ class PeerContext:
     progress: Progress = field(default_factory=Progress)
     dashboard: Callable | None = None  # cbrun only: dashboard(engine) -> context manager
     model_needed_later: bool = True  # a later engine reads the model's weights (runner.model_needed_after)
-
-
-def peer_runner(name: str) -> Callable[[PeerContext, Workload, Workload], PeerResult]:
-    """The run function of peer `name` (imported lazily: peers pull in heavy libraries)."""
-    if name == "cbrun":
-        from cbrun.bench.peers.cbrun_peer import run
-    elif name == "cbrun-free":
-        from cbrun.bench.peers.cbrun_peer import run_free as run
-    elif name == "transformers":
-        from cbrun.bench.peers.transformers_peer import run
-    elif name == "hf-static":
-        from cbrun.bench.peers.static_peer import run
-    elif name == "vllm":
-        from cbrun.bench.peers.vllm_peer import run
-    else:
-        raise ValueError(f"unknown engine {name!r}; choose from {', '.join(PEER_NAMES)}")
-    return run
-
-
-PEER_NAMES = ("cbrun", "cbrun-free", "transformers", "hf-static", "vllm")

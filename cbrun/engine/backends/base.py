@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from cbrun.engine.backends import openmp, torch_attention
+from cbrun.engine.backends.metadata import AttentionMetadataBuilder, PrefillSeq, RowLayout, SequenceRows
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
-from cbrun.engine.step.batch import AttentionMetadataBuilder, PrefillSeq, RowLayout, SequenceRows
-from cbrun.engine.step.sampler import Sampled, sample
-from cbrun.engine.step.scoring import ScoredRows, score_logits
+from cbrun.engine.sample.sampler import Sampled, sample
+from cbrun.engine.sample.scoring import ScoredRows, score_logits
 from cbrun.engine.weights import load_into, model_weight_bytes
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.step.batch import PrefillSeq, RowLayout, SequenceRows
+from cbrun.engine.backends.metadata import PrefillSeq, RowLayout, SequenceRows
 
 ROW_CHUNK = 64  # chunks over a cached context up to this long are attended row by row
 

@@ -8,9 +8,11 @@ attends whole:
     logits at   [  0  1  2 |          6  |     8 ]      last token of each finishing sequence
 
 The attention metadata of each step is the backend's own: its metadata
-builder (one per backend, chosen when it installs) says which sequences it
-attends row by row and turns every attention group's sequences into the
-tensors its attention reads. A compiled kernel (CPU, Triton) takes every
+builder (one per backend, chosen when it installs; the contract is
+backends/metadata.py) says which sequences it attends row by row and turns
+every attention group's sequences into the tensors its attention reads. The
+builder holds that metadata builder, not the backend: a step's layout needs
+nothing else of it. A compiled kernel (CPU, Triton) takes every
 token as a row of its sequence's block table, with its own plan of the rows
 (backends/base.py); the torch reference attends decodes and short chunks
 over a cached context as padded rows with a key bias, and other chunks
@@ -25,49 +27,15 @@ made on the host and reach an accelerator in one copy per dtype
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from cbrun.engine.backends.metadata import AttentionMetadataBuilder, PrefillSeq, RowLayout, SequenceRows
 from cbrun.engine.cache.kv_cache import KVCacheManager
 from cbrun.engine.cache.kv_store import KVStore
 from cbrun.engine.request import Request
 from cbrun.engine.step.device_copy import to_device
-
-if TYPE_CHECKING:  # base.py imports this module
-    from cbrun.engine.backends.base import Backend
-
-
-@dataclass
-class SequenceRows:
-    """The query rows of one sequence in a step: `count` tokens from position `start`, rows first_row...
-
-    What a metadata builder is given per sequence and attention group (host values, not tensors).
-    """
-
-    first_row: int
-    start: int
-    count: int
-    table: list[int]  # block ids from logical page `first_page` on
-    first_page: int
-
-
-class RowLayout:
-    """A backend's per-step metadata for the tokens it attends row by row: a dataclass of tensors and sizes
-    made by its metadata builder and read by its `attend_rows` (each backend has its own subclass)."""
-
-
-@dataclass
-class PrefillSeq:
-    """One chunk attended whole: its flat token range and what its queries attend to."""
-
-    start: int
-    end: int
-    new_kv_only: bool  # context is exactly this chunk's own keys (no cached prefix)
-    pages: torch.Tensor | None  # [num_pages] block ids to gather when not new_kv_only
-    mask: torch.Tensor | None  # [q_len, kv_len] bool (True = attend); None = plain causal
 
 
 @dataclass
@@ -77,22 +45,6 @@ class GroupLayout:
     write_slots: torch.Tensor  # [T] flat slot (block * page + offset) of each new token
     rows: RowLayout | None = None  # the leading `num_rows` tokens, as the backend's builder laid them out
     prefills: list[PrefillSeq] = field(default_factory=list)  # the chunks after them
-
-
-class AttentionMetadataBuilder(Protocol):
-    """How a backend lays out a step's attention: which sequences it attends row by row, and their tensors."""
-
-    def attends_as_row(self, start: int, count: int) -> bool:
-        """Whether `count` new tokens of a sequence from position `start` are attended row by row (they lead
-        the step's tokens; the other sequences are chunks attended whole)."""
-        ...
-
-    def build(
-        self, seqs: Sequence[SequenceRows], page_size: int, window: int | None
-    ) -> tuple[RowLayout | None, list[PrefillSeq]]:
-        """One attention group's metadata: the layout of the leading row sequences (None without any), and one
-        PrefillSeq per chunk after them. `window` is the group's sliding window (None: full attention)."""
-        ...
 
 
 HOST_ONLY = {"device_copy": False}  # a PagedBatch field that stays as it is (device_copy.py)
@@ -130,9 +82,9 @@ class BatchBuilder:
         page_size: int,
         sliding_window: int | None,
         device: torch.device,
-        backend: Backend,
+        metadata: AttentionMetadataBuilder,
     ) -> None:
-        self.backend = backend  # its metadata builder lays out the attention (asked each step: install may change it)
+        self.metadata = metadata  # the backend's builder; the core sets it again whenever the backend installs
         self.cache = cache
         self.store = store
         self.layer_groups = layer_groups
@@ -141,7 +93,7 @@ class BatchBuilder:
         self.device = device
 
     def build(self, items: list[tuple[Request, int]]) -> PagedBatch:
-        metadata = self.backend.metadata_builder
+        metadata = self.metadata
         row_items = [(r, n) for r, n in items if metadata.attends_as_row(r.num_computed_tokens, n)]
         rows = {id(r) for r, _ in row_items}
         items = row_items + [(r, n) for r, n in items if id(r) not in rows]

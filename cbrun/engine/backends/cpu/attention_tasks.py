@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cbrun.engine.step.batch import SequenceRows
+from cbrun.engine.backends.metadata import SequenceRows
 
 TASK_ROWS = 16  # rows per task at most: big groups are split so both threads get work
 

@@ -25,11 +25,11 @@ from cbrun.engine.backends.cpu.kernels import CpuKernels
 from cbrun.engine.backends.cpu.linear import install_linear_methods, linear_shapes
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.backends.cpu.method_selector import MethodChoice, choose_linear_method
+from cbrun.engine.backends.metadata import RowLayout, SequenceRows
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
-from cbrun.engine.step.batch import RowLayout, SequenceRows
-from cbrun.engine.step.sampler import Sampled, sample
-from cbrun.engine.step.scoring import ScoredRows, score_logits
+from cbrun.engine.sample.sampler import Sampled, sample
+from cbrun.engine.sample.scoring import ScoredRows, score_logits
 from cbrun.engine.weights import give_back_memory
 
 

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import torch
 
 from cbrun.engine.backends.base import KernelRows, TorchBackend, metadata_builder_for
+from cbrun.engine.backends.metadata import RowLayout, SequenceRows
 from cbrun.engine.model_spec import CausalLM, ModelSpec
-from cbrun.engine.step.batch import RowLayout, SequenceRows
 
 log = logging.getLogger("cbrun.engine")
 
