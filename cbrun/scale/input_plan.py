@@ -219,6 +219,11 @@ def count_unit(unit: InputUnit) -> tuple[int, int]:
     raise ValueError(f"a {unit.kind} unit needs no count")
 
 
+def count_units(units: Sequence[InputUnit]) -> list[tuple[int, int]]:
+    """`count_unit` of each unit, in one task."""
+    return [count_unit(unit) for unit in units]
+
+
 def number_units(plan: InputPlan, counts: dict[int, tuple[int, int]], parallelism: int = 8) -> InputPlan:
     """The plan with `counts` (unit position -> (rows, lines)) filled in, row and line bases set,
     and a counted saved dataset cut into about `parallelism` slices (of at most UNIT_ROWS rows)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from cbrun.data.reader import InputError, _pick_split
 from cbrun.scale.input_plan import InputUnit
-from cbrun.scale.ray_data import raw_schema
+from cbrun.scale.raw_columns import raw_schema
 from cbrun.scale.row_ranges import RowRanges
 
 CHUNK_ROWS = 1024  # rows per table a read task yields (Ray re-cuts them into the job's blocks)

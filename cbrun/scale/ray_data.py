@@ -35,10 +35,9 @@ from cbrun.data.job import GenerateJob, JobProgress
 from cbrun.data.prompts import ID_FIELDS, RowPreparer
 from cbrun.data.reader import RawRow, _parse_json_line
 from cbrun.data.schema import CbrunFormat
+from cbrun.scale.raw_columns import ERROR, LINE, RAW_COLUMNS, RECORD, ROW, TEXT, raw_schema
 
-ROW, RECORD, ERROR, LINE = "__cbrun_row", "__cbrun_record", "__cbrun_error", "__cbrun_line"
-TEXT = "__cbrun_text"  # a JSON line as read (bytes): parsed on the actor, with the local reader's error messages
-RAW_COLUMNS = (ROW, RECORD, ERROR, LINE, TEXT)
+__all__ = ["ERROR", "LINE", "RAW_COLUMNS", "RECORD", "ROW", "TEXT", "CbrunGenerator", "raw_rows", "raw_schema"]
 NO_ID = "id: missing: rows of a Ray dataset have no row numbers, so each needs an 'id' (or 'custom_id') column"
 
 
@@ -158,15 +157,6 @@ def _from_raw_columns(record: dict) -> RawRow:
         return _parse_json_line(record[TEXT], index, line or index + 1)
     text = record.get(RECORD)
     return RawRow(index, None if text is None else json.loads(text), record.get(ERROR), line)
-
-
-def raw_schema() -> Any:  # a pyarrow.Schema
-    """The columns of a `cbrun generate --ray` input block (RAW_COLUMNS)."""
-    import pyarrow as pa
-
-    return pa.schema(
-        [(ROW, pa.int64()), (RECORD, pa.string()), (ERROR, pa.string()), (LINE, pa.int64()), (TEXT, pa.binary())]
-    )
 
 
 def raw_blocks(rows: Iterable[RawRow], block_rows: int) -> Iterator[Any]:

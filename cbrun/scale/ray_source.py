@@ -18,12 +18,13 @@ from typing import Any
 from ray.data.datasource import Datasource
 
 from cbrun.data.reader import InputError
-from cbrun.scale.input_plan import InputPlan, InputUnit, count_unit, number_units
+from cbrun.scale.input_plan import InputPlan, InputUnit, count_units, number_units
 from cbrun.scale.input_read import first_record, read_unit
-from cbrun.scale.ray_data import raw_schema
+from cbrun.scale.raw_columns import raw_schema
 from cbrun.scale.row_ranges import RowRanges
 
 COUNT_CPUS = 0.25
+COUNT_BYTES_PER_TASK = 1 << 30
 BYTES_PER_ROW = 256  # a guess for Ray's memory planning; rows are prompts
 
 
@@ -64,13 +65,23 @@ class CbrunInput(Datasource):
 
 
 def count_input(plan: InputPlan, parallelism: int) -> InputPlan:
-    """The plan with every countable unit counted by a Ray task (JSON Lines ranges, arrays, saved datasets)."""
+    """The plan with every countable unit counted (JSON Lines ranges, arrays, saved datasets), by Ray tasks
+    of up to COUNT_BYTES_PER_TASK each: a task's start-up costs more than counting a few MiB of lines."""
     import ray
 
-    task = ray.remote(num_cpus=COUNT_CPUS, max_retries=2)(count_unit)
-    todo = {i: unit for i, unit in enumerate(plan.units) if unit.rows is None and unit.kind != "hf_stream"}
-    refs = [task.remote(unit) for unit in todo.values()]
-    counts = dict(zip(todo, _get(refs)))
+    task = ray.remote(num_cpus=COUNT_CPUS, max_retries=2)(count_units)
+    todo = [i for i, unit in enumerate(plan.units) if unit.rows is None and unit.kind != "hf_stream"]
+    groups: list[list[int]] = []
+    size = 0
+    for i in todo:
+        unit = plan.units[i]
+        if not groups or size + unit.stop - unit.start > COUNT_BYTES_PER_TASK:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += unit.stop - unit.start
+    results = _get([task.remote([plan.units[i] for i in group]) for group in groups])
+    counts = {i: count for group, found in zip(groups, results) for i, count in zip(group, found)}
     return number_units(plan, counts, parallelism)
 
 
