@@ -44,17 +44,14 @@ def generate(opts: GenerateOptions) -> int:
     engine_config = opts.engine_config()
     keep = keep_columns(opts.keep_columns, GENERATE_COLUMNS)
     shard, output = _shard(opts, output)
-    if opts.ray:
+    if opts.ray:  # Ray workers read INPUT and write OUTPUT: nothing is opened here
         from cbrun.cli.ray_run import check_ray_options, run_ray
 
         check_ray_options(opts)
+        return run_ray(opts, _cbrun_format(opts, keep), sampling, engine_config, keep, _prompt_columns(opts, keep))
     target = OutputTarget.parse(output, opts.input)
     source = _open_prompts(opts, keep)
     openai_input = _is_openai_input(source)
-    if opts.ray:
-        if openai_input:
-            raise CliError("OpenAI Batch API input does not work with --ray; run it without --ray")
-        return run_ray(opts, target, source, _cbrun_format(opts, keep), sampling, engine_config, keep)
     fmt_name = _choose_format(opts.format, openai_input, target)
     target.check_existing(opts.resume, opts.overwrite)
     classify = OpenAIFormat.classify if fmt_name == "openai" else CbrunFormat.classify
@@ -149,14 +146,18 @@ def _sampling(opts: GenerateOptions) -> SamplingParams:
 
 def _open_prompts(opts: GenerateOptions, keep: tuple[str, ...]) -> InputSource:
     """INPUT, reading the columns a prompt row or an OpenAI Batch request line may use."""
+    return opts.open_rows(_prompt_columns(opts, keep))
+
+
+def _prompt_columns(opts: GenerateOptions, keep: tuple[str, ...]) -> set[str]:
+    """The columns worth reading from a columnar INPUT: ids, prompts, row overrides, kept columns, OpenAI fields."""
     from cbrun.data.constraints import ROW_FIELDS
     from cbrun.data.generate.preparer import SAMPLING_OVERRIDES
     from cbrun.data.prompts import PROMPT_FIELDS
     from cbrun.data.rows import ID_FIELDS
 
-    return opts.open_rows(
-        {*ID_FIELDS, *PROMPT_FIELDS, *SAMPLING_OVERRIDES, *ROW_FIELDS, *keep, "method", "url", "body"}
-    )
+    columns = {*ID_FIELDS, *PROMPT_FIELDS, *SAMPLING_OVERRIDES, *ROW_FIELDS, *keep, "method", "url", "body"}
+    return columns | ({opts.prompt_column} if opts.prompt_column else set())
 
 
 def _is_openai_input(source: InputSource) -> bool:

@@ -105,12 +105,22 @@ class ScaleOptions:
         bool,
         _scale_option(
             "--ray",
-            help="Run on Ray (pip install 'cbrun\\[ray]'): --replicas engine actors; a Parquet OUTPUT "
-            "becomes a directory of part files written as results finish; row order is not kept.",
+            help="Run on Ray (pip install 'cbrun\\[ray]'): Ray workers read INPUT, --replicas engine actors "
+            "write OUTPUT as a directory of part files (Parquet or JSON Lines, by its suffix), each with a "
+            "manifest, so --resume finishes a killed job; row order is not kept.",
         ),
     ] = False
     ray_address: Annotated[
-        Optional[str], _scale_option(help="Ray cluster to join (ray://host:10001 or auto); default: start a local one.")
+        Optional[str],
+        _scale_option(help="Ray cluster to join (auto, or the head's host:port); default: start a local one."),
+    ] = None
+    ray_runtime_env: Annotated[
+        Optional[str],
+        _scale_option(
+            metavar="JSON|FILE",
+            help="With --ray: Ray runtime_env for the workers, as JSON or a .json/.yaml file "
+            '(e.g. \'{"pip": ["cbrun"]}\' or py_modules for a source checkout).',
+        ),
     ] = None
     replicas: Annotated[
         int, _scale_option(help="With --ray: engine actors, one model copy each.", show_default=True)

@@ -1,91 +1,147 @@
 """`cbrun generate --ray`: the same checks and output columns, on --replicas Ray actors (see cbrun.scale.ray_job).
 
-`generate` opens INPUT and builds the output format as for a local run, then
-hands over here; rows are written as the actors' batches finish, so a Parquet
-OUTPUT is a directory of part files.
+`generate` checks the options and hands over here before INPUT is opened: Ray
+workers read INPUT and write OUTPUT, a directory of part files (Parquet or JSON
+Lines, by OUTPUT's suffix), and this process only plans, counts and reports.
+Refusals (options, INPUT, OUTPUT) come before Ray starts; OpenAI Batch input is
+refused once Ray has read its first row.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import sys
+import uuid
 from dataclasses import asdict, fields
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from cbrun.cli.choices import FormatName
-from cbrun.cli.common import EXIT_OK, EXIT_ROWS_FAILED, CliError
+from cbrun.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROWS_FAILED, CliError
 from cbrun.cli.generate_options import GenerateOptions
 from cbrun.cli.output_target import OutputTarget
-from cbrun.cli.run import claim_stdout
 
 if TYPE_CHECKING:
+    from cbrun.data.generate.format import CbrunFormat
     from cbrun.engine.config import EngineConfig
     from cbrun.engine.sampling_params import SamplingParams
 
 
 def check_ray_options(opts: GenerateOptions) -> None:
     """What --ray refuses, checked before INPUT is opened."""
-    if opts.resume:
-        raise CliError(
-            "--resume does not work with --ray yet; write to a new OUTPUT, or shard the job instead "
-            "(--num-shards), which resumes per shard"
-        )
     if opts.format == FormatName.openai:
         raise CliError("--format openai does not work with --ray (it writes cbrun rows)")
+    if opts.output == "-":
+        raise CliError("--ray writes OUTPUT as part files from the workers: give a .parquet or .jsonl path, not -")
     if opts.replicas < 1 or opts.threads_per_replica < 1:
         raise CliError("--replicas and --threads-per-replica must be at least 1")
     if opts.cpus_per_replica is not None and opts.cpus_per_replica <= 0:
         raise CliError(f"--cpus-per-replica must be > 0, got {opts.cpus_per_replica}")
+    if opts.ray_runtime_env is not None:
+        runtime_env(opts.ray_runtime_env)
 
 
-def run_ray(opts: GenerateOptions, target: OutputTarget, source, fmt, sampling, engine_config, keep) -> int:
-    """Run the job on Ray actors; returns the exit code (a failed Ray job keeps the part files written)."""
-    from cbrun.scale.ray_job import (
-        ProgressLines,
-        RayJobError,
-        RayProgress,
-        default_cpus,
-        rows_carry_constraints,
-        run_ray_job,
-        start_ray,
-        summary,
-    )
+def runtime_env(text: str | None) -> dict | None:
+    """--ray-runtime-env: a JSON object, or a .json / .yaml file holding one."""
+    if text is None:
+        return None
+    path = Path(text)
+    try:
+        if path.suffix.lower() in (".json", ".yaml", ".yml") and path.is_file():
+            raw = path.read_text()
+            value = json.loads(raw) if path.suffix.lower() == ".json" else _yaml(raw)
+        else:
+            value = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--ray-runtime-env: not a JSON object or a readable .json/.yaml file: {exc}") from None
+    if not isinstance(value, dict):
+        raise CliError('--ray-runtime-env must be a JSON object, e.g. \'{"pip": ["cbrun"]}\'')
+    return value
 
-    target.check_existing(False, opts.overwrite)
-    rows = list(source)  # the whole input goes to Ray's object store before the job starts
-    structured = fmt.structured or rows_carry_constraints(rows)
-    generator = generator_args(opts, sampling, engine_config, keep, structured=structured)
-    cpus = opts.cpus_per_replica or default_cpus(opts.threads_per_replica, opts.replicas, opts.ray_address is None)
-    progress = RayProgress()
-    with claim_stdout(target.kind == "stdout") as data_stream:
-        write_block, close = _ray_output(target, fmt, data_stream)
-        try:
-            start_ray(opts.ray_address, opts.threads_per_replica, opts.quiet)
-            with contextlib.nullcontext() if opts.quiet else ProgressLines(progress):
-                run_ray_job(
-                    rows,
-                    write_block,
-                    progress,
-                    generator=generator,
-                    replicas=opts.replicas,
-                    threads=opts.threads_per_replica,
-                    cpus_per_replica=cpus,
-                    window=opts.window,
-                )
-        except RayJobError as exc:
-            raise CliError(f"{exc}; the part files written so far are kept", EXIT_ROWS_FAILED) from None
-        finally:
-            close()
-    if not opts.quiet:
-        for line in summary(progress, target.where):
-            print(line, file=sys.stderr)
-    if progress.rows_failed:
+
+def _yaml(text: str) -> Any:
+    import yaml  # type: ignore[import-untyped]  # Ray depends on PyYAML
+
+    return yaml.safe_load(text)
+
+
+def run_ray(
+    opts: GenerateOptions,
+    fmt: CbrunFormat,
+    sampling: SamplingParams,
+    engine_config: EngineConfig,
+    keep: tuple[str, ...],
+    columns: set[str],
+) -> int:
+    """Run the job on Ray actors; returns the exit code (a failed or interrupted job keeps its parts)."""
+    from cbrun.data.generate.openai_batch import looks_like_openai_batch
+    from cbrun.data.reader import InputError
+    from cbrun.scale import ray_job
+    from cbrun.scale.input_plan import plan_input
+    from cbrun.scale.output_dir import OutputError, check_output
+    from cbrun.scale.part_store import PartStore
+    from cbrun.scale.ray_source import probe_first_record
+
+    assert opts.output is not None  # check_input_output refused a missing OUTPUT
+    target = OutputTarget.parse(opts.output, opts.input)
+    assert target.path is not None and target.kind in ("parquet", "jsonl")  # check_ray_options refused stdout
+    store = PartStore(target.path, target.kind, run=uuid.uuid4().hex)
+    parallelism = opts.replicas * ray_job.UNITS_PER_REPLICA
+    try:
+        plan = plan_input(opts.input, dataset=opts.dataset, split=opts.split, columns=columns, parallelism=parallelism)
+        check_output(store, resume=opts.resume, overwrite=opts.overwrite)
+    except (InputError, OutputError) as exc:
+        raise CliError(str(exc)) from None
+    progress = ray_job.RayProgress()
+    try:
+        ray_job.start_ray(opts.ray_address, opts.threads_per_replica, opts.quiet, runtime_env(opts.ray_runtime_env))
+        if plan.units and looks_like_openai_batch(probe_first_record(plan.units[0])):
+            raise CliError("OpenAI Batch API input does not work with --ray; run it without --ray")
+        generator = generator_args(opts, sampling, engine_config, keep, structured=fmt.structured)
+        cpus = opts.cpus_per_replica or ray_job.default_cpus(
+            opts.threads_per_replica, opts.replicas, opts.ray_address is None
+        )
+        job = ray_job.RayJob(plan, store, fmt, generator, opts.replicas, opts.threads_per_replica, cpus, opts.window)
+        ray_job.run_to_output(job, progress, resume=opts.resume, overwrite=opts.overwrite, view=not opts.quiet)
+    except (InputError, OutputError) as exc:
+        raise CliError(str(exc)) from None
+    except ray_job.RayJobError as exc:
+        raise CliError(
+            f"{exc}; the part files written so far are kept (--resume finishes the job)", EXIT_ROWS_FAILED
+        ) from None
+    except KeyboardInterrupt:
         print(
-            f"{progress.rows_failed} of {progress.rows_done} rows failed (see the error column of {target.where})",
+            f"interrupted: {progress.rows_done:,} rows are in {store.root}; --resume finishes the job", file=sys.stderr
+        )
+        return EXIT_INTERRUPTED
+    return _report(opts, progress, str(store.root))
+
+
+def _report(opts: GenerateOptions, progress: Any, where: str) -> int:
+    """The summary lines and the exit code: failed rows and duplicate ids are exit code 1."""
+    from cbrun.scale.ray_job import summary
+
+    if not opts.quiet:
+        for line in summary(progress, where):
+            print(line, file=sys.stderr)
+    code = EXIT_OK
+    if progress.missing_rows or progress.doubled_rows:
+        print(
+            f"OUTPUT check failed: {progress.missing_rows:,} input rows missing, {progress.doubled_rows:,} written "
+            "twice (--resume runs the missing ones)",
             file=sys.stderr,
         )
-        return EXIT_ROWS_FAILED
-    return EXIT_OK
+        code = EXIT_ROWS_FAILED
+    if progress.duplicates is not None and progress.duplicates.count:
+        print(f"{progress.duplicates.describe()}; every row was written, under the same id", file=sys.stderr)
+        code = EXIT_ROWS_FAILED
+    if progress.rows_failed:
+        print(
+            f"{progress.rows_failed} of {progress.rows_done} rows failed (see the error column of {where})",
+            file=sys.stderr,
+        )
+        code = EXIT_ROWS_FAILED
+    return code
 
 
 def generator_args(
@@ -98,7 +154,7 @@ def generator_args(
 ) -> dict:
     """The keyword arguments of each actor's `CbrunGenerator`: the job's model, sampling, engine and columns.
 
-    structured: every row gets the structured column (a job-wide constraint, or rows with their own).
+    structured: every row gets the structured column (a job-wide constraint).
     """
     return dict(
         model=opts.model,
@@ -116,25 +172,3 @@ def generator_args(
         revision=opts.revision,
         structured=structured,
     )
-
-
-def _ray_output(target: OutputTarget, fmt, data_stream):
-    """(write a result table, close): Parquet OUTPUT is a directory of part files, JSON Lines one file."""
-    from cbrun.data.writers import ParquetParts
-
-    if target.kind == "parquet":
-        if target.path.is_dir():  # check_existing refused it unless --overwrite: drop the old parts only
-            for old in target.path.glob("part-*.parquet*"):
-                old.unlink()
-        elif target.path.exists():
-            target.path.unlink()
-        parts = ParquetParts(target.path)
-        return parts.write_table, parts.close
-    writer = target.open_writer(fmt, data_stream, append=False)
-
-    def write(table) -> None:
-        for row in table.to_pylist():
-            writer.write(row)
-        writer.flush()
-
-    return write, writer.close

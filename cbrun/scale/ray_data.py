@@ -17,7 +17,8 @@ row numbers, so each row of a user's dataset needs an `id` (or `custom_id`)
 column: a row without one gets an error row, and the row numbers in error
 messages count from the start of its batch. `cbrun generate --ray` passes each
 input row as the columns of `RAW_COLUMNS` instead (row number, the record as
-JSON, the reader's error), so its error rows read exactly as without Ray.
+JSON or the raw JSON line, the reader's error, the line number), so its error
+rows read exactly as without Ray.
 
 A batch is the unit of retry: if an actor dies mid-batch, Ray restarts it and
 runs the whole batch again, and the block the dead attempt was building is
@@ -27,16 +28,17 @@ never delivered, so downstream every row appears once.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from cbrun.data.generate.format import CbrunFormat
 from cbrun.data.generate.preparer import GeneratePreparer
 from cbrun.data.job import Job, JobProgress
-from cbrun.data.reader import RawRow
+from cbrun.data.reader import RawRow, _parse_json_line
 from cbrun.data.rows import ID_FIELDS
+from cbrun.scale.raw_columns import ERROR, LINE, RAW_COLUMNS, RECORD, ROW, TEXT, raw_schema
 
-ROW, RECORD, ERROR, LINE = "__cbrun_row", "__cbrun_record", "__cbrun_error", "__cbrun_line"
-RAW_COLUMNS = (ROW, RECORD, ERROR, LINE)
+__all__ = ["ERROR", "LINE", "RAW_COLUMNS", "RECORD", "ROW", "TEXT", "CbrunGenerator", "raw_rows", "raw_schema"]
 NO_ID = "id: missing: rows of a Ray dataset have no row numbers, so each needs an 'id' (or 'custom_id') column"
 
 
@@ -75,17 +77,15 @@ class CbrunGenerator:
     ):
         import torch
 
-        from cbrun.engine import Engine, EngineConfig, SamplingParams
-        from cbrun.models import load_model
+        from cbrun.engine import SamplingParams
 
         if threads is not None:
             torch.set_num_threads(threads)
         _quiet_loading()
-        self._model, self._tokenizer = load_model(model, dtype=dtype, device=device, revision=revision)
         self.sampling = SamplingParams(
             **{**(sampling or {}), **({"top_logprobs": top_logprobs} if top_logprobs else {})}
         )
-        self.engine = Engine(self._model, self._tokenizer, EngineConfig(**(engine or {})))
+        self.engine, self._tokenizer = self._start_engine(model, engine or {}, dtype, device, revision)
         self.fmt = CbrunFormat(
             logprobs=logprobs,
             top_logprobs=self.sampling.top_logprobs > 0,
@@ -93,26 +93,40 @@ class CbrunGenerator:
             keep_columns=tuple(keep_columns),
             structured=structured or self.sampling.structured is not None,
         )
-        self._preparer_options = dict(prompt_column=prompt_column, chat=chat, keep_columns=tuple(keep_columns))
+        self._prompt_column, self._chat = prompt_column, chat
 
-    def __call__(self, batch: Any):
+    def _start_engine(self, model: str, engine: dict, dtype: str, device: str, revision: str | None) -> tuple:
+        """(engine, tokenizer) of this actor: the model loaded once, its engine started."""
+        from cbrun.engine import Engine, EngineConfig
+        from cbrun.models import load_model
+
+        loaded, tokenizer = load_model(model, dtype=dtype, device=device, revision=revision)
+        return Engine(loaded, tokenizer, EngineConfig(**engine)), tokenizer
+
+    def __call__(self, batch: Any) -> Any:  # a pyarrow.Table
         """Generate for every row of `batch` (pyarrow Table, pandas DataFrame or dict of columns)."""
-        rows = raw_rows(batch)
+        rows = self.generate_rows(raw_rows(batch), JobProgress())
+        return result_table(rows, self.fmt)
+
+    def generate_rows(self, rows: list[RawRow], progress: JobProgress) -> list[dict]:
+        """The output rows of `rows` (one Job; `progress` counts as it runs, for live views)."""
         preparer = GeneratePreparer(
             self._tokenizer,
             self.sampling,
             max_context=self.engine.max_context,
             vocab_size=self.engine.vocab_size,
-            **self._preparer_options,
+            prompt_column=self._prompt_column,
+            chat=self._chat,
+            keep_columns=self.fmt.keep_columns,
         )
         sink = _RowSink()
         # one window holds the whole batch: every prompt is submitted at once, prefix-sorted
-        Job(self.engine, rows, preparer, self.fmt, sink, window=max(len(rows), 1), progress=JobProgress()).run()
-        return result_table(sink.rows, self.fmt)
+        Job(self.engine, rows, preparer, self.fmt, sink, window=max(len(rows), 1), progress=progress).run()
+        return sink.rows
 
     def __del__(self):
         engine = getattr(self, "engine", None)
-        if engine is not None:
+        if engine is not None and hasattr(engine, "destroy"):
             engine.destroy()
 
 
@@ -139,8 +153,38 @@ def raw_rows(batch: Any) -> list[RawRow]:
 
 
 def _from_raw_columns(record: dict) -> RawRow:
+    index, line = int(record[ROW]), record.get(LINE)
+    if record.get(TEXT) is not None:  # a JSON line: parsed here, as the local reader parses it
+        return _parse_json_line(record[TEXT], index, line or index + 1)
     text = record.get(RECORD)
-    return RawRow(int(record[ROW]), None if text is None else json.loads(text), record.get(ERROR), record.get(LINE))
+    return RawRow(index, None if text is None else json.loads(text), record.get(ERROR), line)
+
+
+def raw_blocks(rows: Iterable[RawRow], block_rows: int) -> Iterator[Any]:
+    """pyarrow Tables of `block_rows` RawRows each, in RAW_COLUMNS (records as JSON text)."""
+    import pyarrow as pa
+
+    chunk: list[RawRow] = []
+
+    def table() -> Any:
+        return pa.table(
+            [
+                [r.index for r in chunk],
+                [None if r.record is None else json.dumps(r.record, ensure_ascii=False, default=str) for r in chunk],
+                [r.error for r in chunk],
+                [r.line for r in chunk],
+                [None] * len(chunk),
+            ],
+            schema=raw_schema(),
+        )
+
+    for raw in rows:
+        chunk.append(raw)
+        if len(chunk) >= block_rows:
+            yield table()
+            chunk = []
+    if chunk:
+        yield table()
 
 
 def _records(batch: Any) -> list[dict]:
@@ -155,11 +199,11 @@ def _records(batch: Any) -> list[dict]:
     return [{name: values[i] for name, values in columns.items()} for i in range(size)]
 
 
-def _to_list(values) -> list:
+def _to_list(values: Any) -> list:
     """numpy columns to plain Python values (nested object arrays too: chat messages, token ids)."""
     import numpy as np
 
-    def plain(value):
+    def plain(value: Any) -> Any:
         if isinstance(value, np.ndarray):
             return [plain(v) for v in value.tolist()] if value.dtype == object else value.tolist()
         if isinstance(value, (list, tuple)):
@@ -171,7 +215,7 @@ def _to_list(values) -> list:
     return [plain(v) for v in values]
 
 
-def result_table(rows: list[dict], fmt: CbrunFormat):
+def result_table(rows: list[dict], fmt: CbrunFormat) -> Any:  # a pyarrow.Table
     """Result rows as a pyarrow Table in the cbrun schema; kept columns that do not share a type become JSON text."""
     import pyarrow as pa
 

@@ -16,9 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
-from test_cli_generate import REPO, cli_env, read_jsonl, write_jsonl
+from cli_helpers import REPO, cli_env, complete_lines, read_jsonl, read_rows, resume_args, write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.data.writers import journal_path
@@ -58,37 +57,10 @@ def prompts() -> list[dict]:
     return [{"id": f"q{i}", "prompt": " ".join(WORDS[i % 11 : i % 11 + 3 + i % 7])} for i in range(NUM_ROWS)]
 
 
-def args(model_dir, *extra) -> list[str]:
-    return [
-        "-m",
-        str(model_dir),
-        "--max-tokens",
-        "16",
-        "--temperature",
-        "0",
-        "--num-blocks",
-        "256",
-        "--page-size",
-        "16",
-        *extra,
-    ]
-
-
-def read_rows(path: Path) -> list[dict]:
-    return pq.read_table(path).to_pylist() if path.suffix == ".parquet" else read_jsonl(path)
-
-
-def complete_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
 def start_and_wait_for_rows(model_dir, source: Path, out: Path, rows_on_disk: Path, at_least: int):
     """Start a slow run (window 2) in a subprocess; return it once `at_least` rows are flushed."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cbrun", "generate", str(source), str(out), *args(model_dir, "--window", "2")],
+        [sys.executable, "-m", "cbrun", "generate", str(source), str(out), *resume_args(model_dir, "--window", "2")],
         cwd=REPO,
         env=cli_env(),
         stdout=subprocess.DEVNULL,
@@ -109,7 +81,7 @@ def start_and_wait_for_rows(model_dir, source: Path, out: Path, rows_on_disk: Pa
 def uninterrupted(tiny_llama_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("uninterrupted")
     source = write_jsonl(folder / "in.jsonl", prompts())
-    assert main(["generate", str(source), str(folder / "out.jsonl"), *args(tiny_llama_dir, "-q")]) == 0
+    assert main(["generate", str(source), str(folder / "out.jsonl"), *resume_args(tiny_llama_dir, "-q")]) == 0
     rows = read_jsonl(folder / "out.jsonl")
     assert len(rows) == NUM_ROWS
     return {r["id"]: r for r in rows}
@@ -128,7 +100,7 @@ def assert_same_as_uninterrupted(rows: list[dict], uninterrupted: dict) -> None:
 def resume(model_dir, source: Path, out: Path, capsys) -> int:
     """Run --resume in this process; returns how many rows it found already done."""
     capsys.readouterr()
-    assert main(["generate", str(source), str(out), *args(model_dir, "--resume")]) == 0
+    assert main(["generate", str(source), str(out), *resume_args(model_dir, "--resume")]) == 0
     err = capsys.readouterr().err
     match = re.search(r"already in output \(resume\)\s*│\s*([\d,]+)", err)
     return int(match.group(1).replace(",", "")) if match else 0
@@ -149,7 +121,7 @@ def test_sigkill_then_resume_completes_the_job_exactly(tiny_llama_dir, tmp_path,
     if suffix == ".parquet":
         assert not out.exists()  # only the journal survives a kill
     # without --resume the existing output is refused
-    assert main(["generate", str(source), str(out), *args(tiny_llama_dir)]) == 2
+    assert main(["generate", str(source), str(out), *resume_args(tiny_llama_dir)]) == 2
     skipped = resume(tiny_llama_dir, source, out, capsys)
     assert skipped >= written - 1  # at most a partial last line is redone
     assert_same_as_uninterrupted(read_rows(out), uninterrupted)

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli_generate import write_jsonl
+from cli_helpers import write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.cli.generate_options import GenerateOptions
@@ -21,8 +21,7 @@ from cbrun.cli.ray_run import generator_args
 from cbrun.data.generate.format import CbrunFormat
 from cbrun.data.reader import RawRow
 from cbrun.engine import EngineConfig, SamplingParams, StructuredSpec
-from cbrun.scale.ray_data import ERROR, LINE, RECORD, ROW, CbrunGenerator, raw_rows
-from cbrun.scale.ray_job import raw_blocks, rows_carry_constraints
+from cbrun.scale.ray_data import ERROR, LINE, RECORD, ROW, TEXT, CbrunGenerator, raw_blocks, raw_rows
 
 ROWS = [
     {"id": "fox", "prompt": "the quick brown fox"},
@@ -127,7 +126,7 @@ def test_rows_sent_by_cbrun_generate_ray_keep_their_row_numbers_in_error_message
         RawRow(42, {"prompt": ""}),
     ]
     (block,) = raw_blocks(raws, block_rows=10)
-    assert block.column_names == [ROW, RECORD, ERROR, LINE]
+    assert block.column_names == [ROW, RECORD, ERROR, LINE, TEXT]
     back = raw_rows(block)
     assert [(r.index, r.record, r.error, r.line) for r in back] == [
         (40, {"id": "a", "prompt": "fox"}, None, None),
@@ -155,8 +154,9 @@ def test_kept_columns_of_mixed_types_become_json_text(tiny_llama_dir):
 
 def test_a_job_wide_constraint_and_a_rows_own_both_give_the_structured_column(tiny_llama_dir):
     """Ray blocks share one schema, so the structured column is decided per job (issue 26): on with a
-    job-wide constraint (the sampling's own turns it on), and on when any input row carries its own; with
-    actors built as `cbrun generate --ray` builds them, a block without constrained rows has the column too."""
+    job-wide constraint (the sampling's own turns it on), and on with structured=True (rows carrying their
+    own constraints), where a block without constrained rows has the column too. (`cbrun generate --ray`
+    writes parts itself and brings them to one schema when the job ends: tests/test_ray_parts.py.)"""
     opts, engine = GenerateOptions(model=str(tiny_llama_dir)), EngineConfig(**ENGINE)
     with_column = CbrunFormat(structured=True).arrow_schema()
     free = [{"id": "free", "prompt": "anything", "choice": None}]
@@ -168,9 +168,7 @@ def test_a_job_wide_constraint_and_a_rows_own_both_give_the_structured_column(ti
     assert all(r["structured"] == "complete" and r["completion"] in ("yes", "no") for r in table.to_pylist())
 
     raws = [RawRow(0, {"id": "own", "prompt": "yes or no?", "choice": ["yes", "no"]}), RawRow(1, free[0])]
-    assert rows_carry_constraints(raws) and not rows_carry_constraints(raws[1:])
-    structured = rows_carry_constraints(raws)
-    generator = CbrunGenerator(**generator_args(opts, SamplingParams(**SAMPLING), engine, (), structured=structured))
+    generator = CbrunGenerator(**generator_args(opts, SamplingParams(**SAMPLING), engine, (), structured=True))
     (block,) = raw_blocks(raws, block_rows=10)
     rows = {r["id"]: r for r in generator(block).to_pylist()}
     assert rows["own"]["structured"] == "complete" and rows["own"]["completion"] in ("yes", "no")

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from test_cli_generate import REPO, cli_env, read_jsonl, write_jsonl
-from test_cli_resume import args, complete_lines
+from cli_helpers import REPO, cli_env, complete_lines, read_jsonl, resume_args, write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.data.reader import RawRow
@@ -269,7 +268,7 @@ def test_a_killed_shard_resumes_alone_with_no_duplicates_or_gaps(tiny_llama_dir,
                 "generate",
                 str(source),
                 str(reference),
-                *args(tiny_llama_dir, "-q", "--num-shards", "2", "--shard-index", "1"),
+                *resume_args(tiny_llama_dir, "-q", "--num-shards", "2", "--shard-index", "1"),
             ]
         )
         == 0
@@ -286,7 +285,7 @@ def test_a_killed_shard_resumes_alone_with_no_duplicates_or_gaps(tiny_llama_dir,
             "generate",
             str(source),
             str(out),
-            *args(tiny_llama_dir, "--window", "2", "--num-shards", "2", "--shard-index", "1"),
+            *resume_args(tiny_llama_dir, "--window", "2", "--num-shards", "2", "--shard-index", "1"),
         ],
         cwd=REPO,
         env=cli_env(),
@@ -307,7 +306,7 @@ def test_a_killed_shard_resumes_alone_with_no_duplicates_or_gaps(tiny_llama_dir,
                 "generate",
                 str(source),
                 str(out),
-                *args(tiny_llama_dir, "-q", "--resume", "--num-shards", "2", "--shard-index", "1"),
+                *resume_args(tiny_llama_dir, "-q", "--resume", "--num-shards", "2", "--shard-index", "1"),
             ]
         )
         == 0
