@@ -7,8 +7,8 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+from cli_helpers import REPO, cli_env
 from fake_engine import FakeTokenizer
-from test_cli_generate import REPO, cli_env
 
 from cbrun.data.generate.openai_batch import OpenAIFormat
 from cbrun.data.generate.preparer import GeneratePreparer

@@ -7,18 +7,16 @@ transformers is imported); stdin needs a real pipe, so that one is a subprocess.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_helpers import REPO, cli_env, engine_args, read_jsonl, write_jsonl
 
 from cbrun.cli.app import main
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [
     {"id": "fox", "prompt": "the quick brown fox"},
     {"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
@@ -26,37 +24,8 @@ PROMPTS = [
 ]
 
 
-def engine_args(model_dir, max_tokens=8) -> list[str]:
-    return [
-        "-m",
-        str(model_dir),
-        "--max-tokens",
-        str(max_tokens),
-        "--temperature",
-        "0",
-        "--num-blocks",
-        "128",
-        "--page-size",
-        "16",
-        "-q",
-    ]
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def by_key(rows) -> dict:
     return {(r["id"], r["sample"]): r for r in rows}
-
-
-def cli_env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 @pytest.fixture(scope="module")

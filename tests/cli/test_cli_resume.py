@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from test_cli_generate import REPO, cli_env, read_jsonl, write_jsonl
+from cli_helpers import REPO, cli_env, complete_lines, read_jsonl, resume_args as args, write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.data.writers import journal_path
@@ -58,31 +58,8 @@ def prompts() -> list[dict]:
     return [{"id": f"q{i}", "prompt": " ".join(WORDS[i % 11 : i % 11 + 3 + i % 7])} for i in range(NUM_ROWS)]
 
 
-def args(model_dir, *extra) -> list[str]:
-    return [
-        "-m",
-        str(model_dir),
-        "--max-tokens",
-        "16",
-        "--temperature",
-        "0",
-        "--num-blocks",
-        "256",
-        "--page-size",
-        "16",
-        *extra,
-    ]
-
-
 def read_rows(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist() if path.suffix == ".parquet" else read_jsonl(path)
-
-
-def complete_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
 
 
 def start_and_wait_for_rows(model_dir, source: Path, out: Path, rows_on_disk: Path, at_least: int):

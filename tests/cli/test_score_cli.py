@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from cli_helpers import REPO, cli_env, read_jsonl, write_jsonl
 from engine_helpers import reference_logprobs
-from test_cli_generate import REPO, cli_env, read_jsonl, write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.data.writers import journal_path

@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pyarrow.parquet as pq
 import pytest
-from test_cli_generate import engine_args, read_jsonl, write_jsonl
+from cli_helpers import engine_args, read_jsonl, write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.cli.common import EXIT_ROWS_FAILED, EXIT_USAGE

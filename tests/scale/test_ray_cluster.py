@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from test_cli_generate import write_jsonl
+from cli_helpers import write_jsonl
 
 from cbrun.cli.app import main
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from test_cli_generate import REPO, cli_env, read_jsonl, write_jsonl
-from test_cli_resume import args, complete_lines
+from cli_helpers import REPO, cli_env, complete_lines, read_jsonl, resume_args as args, write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.data.reader import RawRow
