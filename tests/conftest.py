@@ -27,7 +27,7 @@ the subprocesses it starts run as in a clean shell. Kept: `CBRUN_CACHE`
 (an instruction to tests/cpu_kernels/test_reference_bits.py).
 
 Tests live by subsystem (engine/, cpu_kernels/, gpu/, data/, cli/, llm/,
-scale/, models/, bench/); helpers.py, engine_helpers.py and fake_engine.py
+scale/, models/, bench/); helpers.py, engine_helpers.py, cli_helpers.py and fake_engine.py
 here are importable from all of them, and fixtures/ holds their data files.
 """
 
