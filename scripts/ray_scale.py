@@ -68,7 +68,7 @@ def drive(args: argparse.Namespace) -> None:
     """One job's driver: prints one JSON line (rows, seconds, peak RSS, OUTPUT check)."""
     from ray_fakes import FakeEngineWriter, ship_by_value
 
-    from cbrun.data.schema import CbrunFormat
+    from cbrun.data.generate.format import CbrunFormat
     from cbrun.scale.input_plan import plan_input
     from cbrun.scale.part_store import PartStore
     from cbrun.scale.part_writer import PartWriter
@@ -294,11 +294,11 @@ def verify(source: Path, out: Path) -> str:
     import pyarrow.dataset as pads
     from fake_engine import FakeEngine, FakeTokenizer
 
-    from cbrun.data.job import GenerateJob
-    from cbrun.data.prompts import RowPreparer
+    from cbrun.data.generate.format import CbrunFormat
+    from cbrun.data.generate.preparer import GeneratePreparer
+    from cbrun.data.job import Job
     from cbrun.data.reader import open_input
-    from cbrun.data.schema import CbrunFormat
-    from cbrun.engine.config import SamplingParams
+    from cbrun.engine.sampling_params import SamplingParams
 
     table = pads.dataset(out, format="parquet").to_table(columns=["id", "completion_token_ids"])
     ids = table.column("id").to_pylist()
@@ -320,10 +320,10 @@ def verify(source: Path, out: Path) -> str:
         def flush(self) -> None: ...
 
     engine, sink = FakeEngine(record_submitted=False), Sink()
-    preparer = RowPreparer(
+    preparer = GeneratePreparer(
         FakeTokenizer(), SamplingParams(**SAMPLING), max_context=engine.max_context, vocab_size=engine.vocab_size
     )
-    GenerateJob(engine, open_input(str(source)), preparer, CbrunFormat(), sink).run()
+    Job(engine, open_input(str(source)), preparer, CbrunFormat(), sink).run()
     tokens = table.column("completion_token_ids").to_pylist()
     differ = sum(1 for row_id, got in zip(ids, tokens) if sink.rows.get(row_id) != got)
     return (

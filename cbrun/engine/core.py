@@ -68,6 +68,7 @@ class EngineCore:
         self.config = config
         self.spec: ModelSpec = read_model_spec(model, tokenizer)
         self.device = default_device(model)
+        self._stock_attention = model.config._attn_implementation  # given back at close
         model.set_attn_implementation(register_attention())
         model.eval()
         self.model = model
@@ -115,12 +116,15 @@ class EngineCore:
         )
 
     def close(self, give_back_weights: bool = True) -> None:
-        """Give the model back as it came, apart from its attention implementation; without `give_back_weights`
-        (a caller that discards the model) the weights the backend holds are only freed."""
+        """Give the model back as it came: its weights and its attention implementation (so that the caller's own
+        `model.generate` works again); without `give_back_weights` (a caller that discards the model) the weights
+        the backend holds are only freed."""
         self.backend.close(restore=give_back_weights)
         if self._stash is not None and give_back_weights:  # closed asleep at level 2: the weights go back
             self._stash.restore()
         self._stash = None
+        if give_back_weights and self._stock_attention is not None:
+            self.model.set_attn_implementation(self._stock_attention)
         if self._masks is not None:
             self._masks.close()
 

@@ -3,7 +3,7 @@ the model's linear weights, and nothing else holds them.
 
 - the bytes held after install are at most 1.05x the parameters' (bf16 pair-dot packs, tied and untied heads);
 - packing and unpacking a member are exact, and a fused matrix's member computes alone as in the whole;
-- closing the engine gives the model its dense weights back, bit for bit;
+- closing the engine gives the model its dense weights and its attention implementation back;
 - `update_weights` writes straight into the packs, whole or in part, and the outputs equal a fresh engine's;
 - a tied head keeps one table, and the embedding reads its rows from the head's packed matrix;
 - sleep(level=2) and wake_up in bf16 give the same bits.
@@ -82,6 +82,10 @@ def test_bf16_engine_holds_one_copy_of_the_weights(fixture, request):
 def test_closing_the_engine_gives_the_model_its_weights_back_bit_for_bit(fixture, request):
     model, tokenizer = load_model(str(request.getfixturevalue(fixture)), dtype="bfloat16")
     before = {name: _bits(t).clone() for name, t in model.state_dict().items()}
+    attention = model.config._attn_implementation
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.inference_mode():
+        stock = model.generate(ids, max_new_tokens=4, do_sample=False)
     with Engine(model, tokenizer, EngineConfig(num_blocks=32, backend="cpu")) as engine:
         _outputs(engine)
     after = model.state_dict()
@@ -89,6 +93,9 @@ def test_closing_the_engine_gives_the_model_its_weights_back_bit_for_bit(fixture
     for name, bits in before.items():
         assert torch.equal(_bits(after[name]), bits), name
     assert not any("forward" in module.__dict__ for module in model.modules())
+    assert model.config._attn_implementation == attention  # the model's own generate works again, as before
+    with torch.inference_mode():
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), stock)
 
 
 def test_a_tied_head_keeps_one_table_and_the_embedding_reads_it(qwen2_tied_dir):
