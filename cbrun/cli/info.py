@@ -148,7 +148,7 @@ def info(
             "--model",
             "-m",
             help="Also load this model and start an engine on it: bytes of its parameters and of the weights held, "
-            "load and start-up time, peak RSS.",
+            "load and start-up time, peak RSS. Takes bench's random shapes too (random:llama-3.1-8b).",
         ),
     ] = None,
     dtype: Annotated[str, typer.Option(help="The dtype to load --model in (as generate's --dtype).")] = "auto",
@@ -206,12 +206,14 @@ def info(
 
 
 def _gather_model_or_fail(spec: str, dtype: str, policy: str) -> dict:
+    from cbrun.bench.random_model import RandomModelError, is_random, random_model_dir
     from cbrun.cli.common import CliError, first_line
     from cbrun.models import ModelLoadError
 
     try:
-        return gather_model(spec, dtype, policy)
-    except ModelLoadError as exc:
+        path = str(random_model_dir(spec)) if is_random(spec) else spec  # bench's random shapes, built once
+        return {**gather_model(path, dtype, policy), "model": spec}
+    except (ModelLoadError, RandomModelError) as exc:
         raise CliError(first_line(exc)) from None
 
 

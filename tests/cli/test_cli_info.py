@@ -63,3 +63,14 @@ def test_info_with_a_model_reports_the_bytes_held_for_its_weights_and_the_peak_r
     text = capsys.readouterr().out
     assert "of parameters" in text and "held for them" in text and "peak RSS" in text
     assert main(["info", "--model", "/no/such/model"]) == 2
+
+
+def test_info_takes_the_benchs_random_shapes(capsys, monkeypatch, tiny_qwen3_dir):
+    import cbrun.bench.random_model as random_model
+
+    assert main(["info", "--model", "random:no-such-shape"]) == 2
+    assert "unknown random model 'no-such-shape'" in capsys.readouterr().err
+    monkeypatch.setattr(random_model, "random_model_dir", lambda spec: tiny_qwen3_dir)  # built, as bench would
+    assert main(["info", "--json", "--model", "random:qwen3-0.6b", "--dtype", "bfloat16"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["model"] == "random:qwen3-0.6b" and model["parameter_bytes"] > 0
