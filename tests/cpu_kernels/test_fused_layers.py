@@ -191,3 +191,22 @@ def test_a_model_that_cannot_switch_to_sdpa_is_not_fused(tiny_llama_dir, monkeyp
     assert install_fused_layers(model, kernels, F32, HeldWeights(model)) == []
     assert model.config._attn_implementation == before
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+
+
+def test_layers_alike_but_for_their_weights_share_one_probe(tiny_llama_dir, monkeypatch):
+    """An 8B model's 32 layers probe once; a layer that differs in anything but its weights probes on its own."""
+    from cbrun.engine.backends.cpu import fused_layers
+    from cbrun.engine.backends.cpu.held_weights import HeldWeights
+
+    probed = []
+    probe = fused_layers._probe
+    monkeypatch.setattr(fused_layers, "_probe", lambda layer, *args: probed.append(layer) or probe(layer, *args))
+    model = _load(tiny_llama_dir)
+    assert len(fused_layers.install_fused_layers(model, kernels, F32, HeldWeights(model))) == 2
+    assert probed == [model.model.layers[0]]
+
+    probed.clear()
+    model = _load(tiny_llama_dir)
+    model.model.layers[1].self_attn.scaling *= 2  # another setting: its own probe (which it passes)
+    assert len(fused_layers.install_fused_layers(model, kernels, F32, HeldWeights(model))) == 2
+    assert probed == list(model.model.layers)

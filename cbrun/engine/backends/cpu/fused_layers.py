@@ -52,8 +52,8 @@ _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _HEAD_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 _CACHE_KWARGS = ("cache", "past_key_values")
-# a decode-sized step and a prefill-sized one: past the kernels' row blocks (8, 16, 32), small enough that an 8B
-# model's 32 layers probe in seconds (the kernels' own invariance at every row count is the self-check's)
+# a decode-sized step and a prefill-sized one: past the kernels' row blocks (8, 16, 32), small enough that a probe
+# at 8B shapes takes a second (the kernels' own invariance at every row count is the self-check's)
 _PROBE_TOKENS = (5, 67)
 # relative to the output's largest magnitude: fp32 sums in another order; bf16 rounds at other points than the
 # stock forward (which rounds after every op) but a wrong formula still misses by O(1)
@@ -147,6 +147,8 @@ def install_fused_layers(
 
     The probe runs both forwards through SDPA attention (switched on and back
     for the probe), so any attention implementation may be set when called.
+    Layers alike in everything but their weights (`_probe_key`) share one
+    probe: the probe checks the code a layer runs, which the weights do not change.
     A layer that fails it keeps the stock forward, its linears each with a
     method of their own.
     """
@@ -167,7 +169,12 @@ def install_fused_layers(
         verified = []
     else:
         try:
-            verified = [(layer, plan) for layer, plan in plans if _probe(layer, plan, kernels, rotary)]
+            outcomes: dict[tuple, bool] = {}  # one probe per distinct layer: an 8B model's 32 layers probe once
+            for layer, plan in plans:
+                key = _probe_key(layer, held)
+                if key not in outcomes:
+                    outcomes[key] = _probe(layer, plan, kernels, rotary)
+            verified = [(layer, plan) for layer, plan in plans if outcomes[_probe_key(layer, held)]]
         finally:
             model.set_attn_implementation(previous)
     for _, plan in plans:
@@ -339,6 +346,27 @@ def _norm(module: object) -> Norm | None:
     ):
         return None
     return Norm(module, eps)
+
+
+def _probe_key(layer: Layer, held: HeldWeights) -> tuple:
+    """What decides the function a layer computes, apart from its weights: each submodule's class and any forward
+    set on the instance (by kind where it is a layer method `held` routed), its parameters' shapes and dtypes, and
+    its plain settings (eps, scaling, sliding window, attention type, ...; the layer index aside). Layers with
+    equal keys run the same code."""
+    key = []
+    for name, module in layer.named_modules():
+        settings = tuple(
+            sorted(
+                (attr, value)
+                for attr, value in vars(module).items()
+                if attr != "layer_idx" and (value is None or isinstance(value, (bool, int, float, str)))
+            )
+        )
+        forward = module.__dict__.get("forward")
+        own_forward = type(forward) if held.forwards.get(module) is forward else id(forward) if forward else None
+        parameters = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters(recurse=False))
+        key.append((name, type(module), own_forward, settings, parameters))
+    return tuple(key)
 
 
 @torch.inference_mode()
