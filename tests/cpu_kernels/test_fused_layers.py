@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
-from cbrun.engine.backends.cpu.linear_methods import F32
+from cbrun.engine.backends.cpu.linear_methods import DP_TWIN, F32
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -119,7 +119,6 @@ def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, dt
     after every op, the fused one keeps the residual stream and the norms in fp32 within a layer)."""
     from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
     from cbrun.engine.backends.cpu.held_weights import HeldWeights
-    from cbrun.engine.backends.cpu.linear_methods import DP_TWIN
 
     model = _load(request.getfixturevalue(fixture), dtype)
     method, tolerance = (F32, 1e-4) if dtype == "float32" else (DP_TWIN, 6e-2)
@@ -173,24 +172,56 @@ def test_silu_mul_matches_torch():
     assert torch.allclose(kernels.silu_mul(gate, up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
-def test_a_model_that_cannot_switch_to_sdpa_is_not_fused(tiny_llama_dir, monkeypatch):
-    """The probe needs SDPA; without it the layers keep their stock forward and nothing fails."""
+def test_a_model_that_cannot_switch_attention_is_not_fused(tiny_llama_dir, monkeypatch):
+    """The probe needs its own attention; without it the layers keep their stock forward and nothing fails."""
+    from cbrun.engine.backends.cpu import fused_layers
     from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
     from cbrun.engine.backends.cpu.held_weights import HeldWeights
 
     model = _load(tiny_llama_dir)
     original = model.set_attn_implementation
 
-    def no_sdpa(name):
-        if name == "sdpa":
-            raise ValueError("SDPA is not supported by this model")
+    def no_switch(name):
+        if name == fused_layers.PROBE_ATTENTION:
+            raise ValueError("this attention is not supported by this model")
         return original(name)
 
-    monkeypatch.setattr(model, "set_attn_implementation", no_sdpa)
+    monkeypatch.setattr(model, "set_attn_implementation", no_switch)
     before = model.config._attn_implementation
     assert install_fused_layers(model, kernels, F32, HeldWeights(model)) == []
     assert model.config._attn_implementation == before
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+
+
+def test_layers_are_fused_where_torchs_sdpa_refuses_to_run(tiny_llama_dir, monkeypatch):
+    """torch's bf16 SDPA raises under ATEN_CPU_CAPABILITY=avx2 on an AMX CPU ("pack_vnni2 is only supported when
+    avx512 is supported"): the probe does not go through it, so the layers are fused there as everywhere."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
+    from cbrun.engine.backends.cpu.held_weights import HeldWeights
+
+    def refusing_sdpa(*args, **kwargs):
+        raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", refusing_sdpa)
+    model = _load(tiny_llama_dir, "bfloat16")
+    model.set_attn_implementation("sdpa")
+    installed = install_fused_layers(model, kernels, DP_TWIN, HeldWeights(model))
+    assert [plan.layer for plan in installed] == list(model.model.layers)
+
+
+def test_the_probes_attention_is_sdpas_causal_attention():
+    from cbrun.engine.backends.cpu.fused_layers import probe_attention
+
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 6, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask, scale=0.25
+    )  # [1, H, T, D]
+    got, _ = probe_attention(None, q, k, v, None, 0.25)
+    torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
 def test_layers_alike_but_for_their_weights_share_one_probe(tiny_llama_dir, monkeypatch):

@@ -145,8 +145,11 @@ def install_fused_layers(
     """Give every decoder layer of `model` that passes its probe the fused forward, its projections
     through layer methods of `method` that hold their weights (`held`); returns the fused layers' plans.
 
-    The probe runs both forwards through SDPA attention (switched on and back
-    for the probe), so any attention implementation may be set when called.
+    The probe runs both forwards through a causal attention of our own in plain
+    torch ops (`probe_attention`, switched on and back for the probe), so any
+    attention implementation may be set when called. Not torch's SDPA: its bf16
+    kernel refuses to run under ATEN_CPU_CAPABILITY=avx2 on an AMX CPU, and a
+    probe that fails leaves the layers unfused, with other bits.
     Layers alike in everything but their weights (`_probe_key`) share one
     probe: the probe checks the code a layer runs, which the weights do not change.
     A layer that fails it keeps the stock forward, its linears each with a
@@ -163,8 +166,8 @@ def install_fused_layers(
         return []
     previous = model.config._attn_implementation
     try:
-        model.set_attn_implementation("sdpa")  # a pure function of q, k, v for the probe
-    except Exception as exc:  # a model without SDPA support: no probe, no fusion
+        model.set_attn_implementation(_register_probe_attention())  # a pure function of q, k, v for the probe
+    except Exception as exc:  # a model that takes no registered attention: no probe, no fusion
         log.info("fused CPU decoder layers off: %s", exc)
         verified = []
     else:
@@ -346,6 +349,40 @@ def _norm(module: object) -> Norm | None:
     ):
         return None
     return Norm(module, eps)
+
+
+PROBE_ATTENTION = "cbrun_probe"
+
+
+def probe_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention in plain torch ops, for the probe: query [B, H, T, D], key and value [B, H_kv, T, D] ->
+    [B, T, H, D]; scores and softmax in fp32, any number of query heads per KV head. A sliding window passed
+    in kwargs is not applied (as SDPA without a mask): the two forwards pass it differently (the stock one from
+    the config, the fused one from the module), and the engine's own attention applies the model's window."""
+    group = query.shape[1] // key.shape[1]
+    keys = key.repeat_interleave(group, dim=1).float()  # [B, H, T, D]
+    values = value.repeat_interleave(group, dim=1).float()
+    scores = torch.matmul(query.float(), keys.transpose(-1, -2)) * scaling  # [B, H, T, T]
+    tokens = query.shape[2]
+    position = torch.arange(tokens)
+    hidden = position[None, :] > position[:, None]  # [T, T] keys after the query
+    scores = scores.masked_fill(hidden, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), values).to(query.dtype)  # [B, H, T, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_probe_attention() -> str:
+    ALL_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, probe_attention)
+    return PROBE_ATTENTION
 
 
 def _probe_key(layer: Layer, held: HeldWeights) -> tuple:
