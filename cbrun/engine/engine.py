@@ -183,6 +183,7 @@ class Engine:
         version = request.weight_versions[-1]
         chunk = StreamChunk(request.request_id, request.sample_index, event.token_id, event.logprob, event.text)
         chunk.weight_version = version
+        chunk.top_logprobs = request.top_logprobs[-1] if request.top_logprobs else None
         self._streams.put(chunk)
 
     def _deliver(self, request: Request) -> None:

@@ -104,6 +104,7 @@ class StreamChunk:
     finish_reason: str | None = None
     error: str | None = None
     weight_version: int | None = None  # the weights' version the token was sampled under
+    top_logprobs: list[tuple[int, float]] | None = None  # the token's alternatives, when the request asked
     output: GenerationOutput | None = None  # the last chunk: the sample's result, as get_result would give it
 
 
