@@ -28,13 +28,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from cbrun.data.chat import flatten_messages
 from cbrun.engine import Engine, EngineConfig, GenerationOutput
 from cbrun.engine.model_spec import Tokenizer
 from cbrun.engine.sampling_params import SamplingParams as EngineSampling
 from cbrun.engine.weights import WeightSource
 from cbrun.llm.engine_args import engine_config as translate_options
-from cbrun.llm.inputs import as_prompt_list, encode_prompts, per_prompt
+from cbrun.llm.inputs import ChatOptions, as_prompt_list, encode_prompts, per_prompt, render_chats
 from cbrun.llm.outputs import OutputBuilder, RequestOutput
 from cbrun.llm.params import SamplingParams, UnsupportedFieldError
 from cbrun.llm.progress import PromptProgress
@@ -112,10 +111,16 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         mm_processor_kwargs: Any = None,
+        *,
+        history_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to a list of conversations.
 
         Message contents may be strings or OpenAI lists of parts (text parts are joined, media refused).
+        Each RequestOutput's prompt_token_ids are the exact ids the template rendered.
+        history_token_ids (cbrun's; one list, or one per conversation): the ids of the turns so far (a
+        previous output's prompt_token_ids + its completion's token_ids); `messages` are then only the new
+        ones, rendered after them and appended, so no earlier token is re-tokenized (data/follow_up.py).
         """
         _refuse("lora_request", lora_request)
         _refuse("mm_processor_kwargs", mm_processor_kwargs)
@@ -124,21 +129,8 @@ class LLM:
                 "chat(chat_template_content_format=...) is not supported by cbrun: "
                 "contents are flattened to strings ('auto' or 'string')"
             )
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        texts = [
-            self.tokenizer.apply_chat_template(
-                flatten_messages(list(conversation)),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                chat_template=chat_template,
-                **(chat_template_kwargs or {}),
-            )
-            for conversation in conversations
-        ]
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template holds them
-        items = [(text, list(ids)) for text, ids in zip(texts, encoded)]
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template, tools, chat_template_kwargs)
+        items = render_chats(self.tokenizer, messages, history_token_ids, options)
         return self._run(items, per_prompt(sampling_params, len(items)), use_tqdm)
 
     def _run(
