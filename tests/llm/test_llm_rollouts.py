@@ -168,3 +168,31 @@ def test_async_closing_the_stream_aborts_the_request_and_ids_must_be_unique(llm)
     assert len(asyncio.run(scenario())) == 2
     _wait_until(lambda: llm.engine.stats().blocks_used == 0)
     assert llm.engine.num_unfinished() == 0
+
+
+def test_async_samples_stream_across_a_keep_pause_and_an_update(tiny_llama_dir, new_weights):
+    params = SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=60, ignore_eos=True, logprobs=0)
+    with LLM(str(tiny_llama_dir), dtype="float32", seed=0, num_gpu_blocks_override=64) as llm:
+        expected = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs
+        engine = AsyncLLM.from_llm(llm)
+
+        async def scenario():
+            outs, updated = [], False
+            async for out in engine.generate(PROMPT, params, "pair"):
+                outs.append(out)
+                if not updated and sum(len(c.token_ids) for c in out.outputs) >= 6:
+                    await engine.pause_generation(mode="keep")
+                    assert await engine.is_paused()
+                    await engine.update_weights(new_weights)
+                    await engine.resume_generation()
+                    updated = True
+            return outs
+
+        outs = asyncio.run(scenario())
+    final = outs[-1].outputs
+    assert outs[-1].finished and [c.index for c in final] == [0, 1]
+    for completion, before in zip(final, expected):
+        k = completion.weight_versions.count(0)
+        assert len(completion.token_ids) == 60 and completion.weight_versions == [0] * k + [1] * (60 - k)
+        assert completion.token_ids[:k] == before.token_ids[:k]  # the old weights' samples, up to the update
+    assert any(0 < c.weight_versions.count(0) < 60 for c in final)
