@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 _LLM_API = (
     "LLM",
+    "AsyncLLM",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",

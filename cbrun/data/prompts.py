@@ -11,6 +11,11 @@ Preparation is split in two steps so that `--resume` can skip finished rows
 before paying for tokenization: `parse()` (id, sampling, which prompt) and
 `tokenize()` (token ids, context and vocabulary checks), done per window so
 the tokenizer encodes many texts in one call.
+
+A row's prompt is its `prompt_token_ids` (vLLM's name) when it has them; with
+`messages` beside them, the ids are the conversation so far (a previous
+output's prompt and completion ids) and the messages the next turn, rendered
+after them and appended without re-tokenizing the ids (data/follow_up.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from cbrun.data.chat import ChatContentError, flatten_messages
+from cbrun.data.follow_up import follow_up_text
 from cbrun.data.reader import RawRow
 from cbrun.data.rows import BadRow, ParsedRow, RowT
 from cbrun.engine.sampling_params import SamplingParams
@@ -26,7 +32,8 @@ from cbrun.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from cbrun.engine.model_spec import Tokenizer
 
-PROMPT_FIELDS = ("prompt", "messages", "input_ids")
+PROMPT_FIELDS = ("prompt", "messages", "input_ids", "prompt_token_ids")
+TOKEN_IDS_FIELD = "prompt_token_ids"  # the prompt as ids (read first); with `messages`, the turns before them
 
 
 class PromptPreparer:
@@ -75,6 +82,8 @@ class PromptPreparer:
                 return f"{self.prompt_column}: no such column in this row"
         else:
             names = PROMPT_FIELDS
+            if record.get(TOKEN_IDS_FIELD) is not None:
+                return self._token_ids_source(record)
         for name in names:
             value = record.get(name)
             if value is None:
@@ -92,7 +101,22 @@ class PromptPreparer:
             return kind, name, value
         if self.prompt_column is not None:
             return f"{self.prompt_column}: is null"
-        return "no prompt: expected a 'prompt', 'messages' or 'input_ids' field"
+        return "no prompt: expected a 'prompt', 'messages', 'input_ids' or 'prompt_token_ids' field"
+
+    def _token_ids_source(self, record: dict) -> tuple[str, str, Any] | str:
+        """`prompt_token_ids` alone ("ids"), or with `messages`: a next turn after those ids ("turn")."""
+        ids = record[TOKEN_IDS_FIELD]
+        if _prompt_kind(ids) != "ids":
+            return f"{TOKEN_IDS_FIELD}: must be a non-empty list of integer token ids"
+        messages = record.get("messages")
+        if messages is None:
+            return "ids", TOKEN_IDS_FIELD, ids
+        if _prompt_kind(messages) != "chat":
+            return f"messages: {_describe_bad_prompt('messages', messages)}"
+        try:
+            return "turn", "messages", (list(ids), flatten_messages(messages))
+        except ChatContentError as exc:
+            return f"messages{exc}"
 
     # --- step 2: token ids ----------------------------------------------------
 
@@ -103,31 +127,35 @@ class PromptPreparer:
         added); rendered chats already hold their special tokens.
         """
         results: list[RowT | BadRow] = []
-        to_encode: list[tuple[RowT, str, bool]] = []  # (row, text, add_special_tokens)
+        to_encode: list[tuple[RowT, str, bool, list[int]]] = []  # (row, text, add_special_tokens, ids before it)
         for row in rows:
             if row.kind == "ids":
                 row.token_ids = row.value if isinstance(row.value, list) else list(row.value)
                 row.value = None
                 results.append(row)
                 continue
+            before: list[int] = row.value[0] if row.kind == "turn" else []
             text = row.value if row.kind == "text" else self._render_chat(row)
             if isinstance(text, BadRow):
                 results.append(text)
                 continue
             results.append(row)
-            to_encode.append((row, text, row.kind == "text"))
+            to_encode.append((row, text, row.kind == "text", before))
         for add_special in (True, False):
-            group = [(row, text) for row, text, flag in to_encode if flag == add_special]
+            group = [(row, text, before) for row, text, flag, before in to_encode if flag == add_special]
             if group:
-                encoded = self.tokenizer([text for _, text in group], add_special_tokens=add_special)["input_ids"]
-                for (row, _), ids in zip(group, encoded):
-                    row.token_ids, row.value = list(ids), None  # the text is not needed any more
+                encoded = self.tokenizer([text for _, text, _ in group], add_special_tokens=add_special)["input_ids"]
+                for (row, _, before), ids in zip(group, encoded):
+                    row.token_ids, row.value = before + list(ids), None  # the text is not needed any more
         return [self._check(r) if isinstance(r, ParsedRow) else r for r in results]
 
     def _render_chat(self, row: ParsedRow) -> str | BadRow:
+        """A chat row's prompt text; a "turn" row's text after its ids (its messages only)."""
         if not getattr(self.tokenizer, "chat_template", None):
             return BadRow.from_row(row, f"{row.field}: the model's tokenizer has no chat template")
         try:
+            if row.kind == "turn":
+                return follow_up_text(self.tokenizer, row.value[0], row.value[1])
             return self.tokenizer.apply_chat_template(row.value, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors, missing keys: the row is bad, the job goes on
             return BadRow.from_row(row, f"{row.field}: chat template failed: {exc}")
@@ -144,7 +172,7 @@ class PromptPreparer:
                 f"{row.field}: prompt of {len(ids)} tokens plus max_tokens {max_tokens} "
                 f"exceeds the model's context of {self.max_context} tokens",
             )
-        if row.kind == "ids" and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+        if row.kind in ("ids", "turn") and not (min(ids) >= 0 and max(ids) < self.vocab_size):
             pos, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
             return BadRow.from_row(
                 row,

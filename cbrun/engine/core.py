@@ -107,6 +107,7 @@ class EngineCore:
         self._stats = StatsSnapshot(blocks_total=num_blocks)
         self._started = time.perf_counter()
         self._stash: WeightStash | None = None  # the weights while asleep at level 2
+        self.weight_version = 0  # one more at each update_weights; every token records the version it came from
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
             num_blocks,
@@ -160,6 +161,7 @@ class EngineCore:
         request.finish_reason = reason
         request.error = error
         request.finish_time = time.perf_counter()
+        request.weight_version = request.weight_versions[-1] if request.weight_versions else self.weight_version
         counter = {
             RequestStatus.FINISHED: "finished",
             RequestStatus.FAILED: "failed",
@@ -237,6 +239,7 @@ class EngineCore:
                     request.prompt_logprobs.append(scored.logprobs[index])
                     continue
                 request.logprobs.append(scored.logprobs[index])
+                request.weight_versions.append(self.weight_version)
                 request.is_greedy &= scored.greedy[index]
                 if request.top_logprobs is not None:
                     assert request.score is not None and scored.top is not None  # top_k > 0 for this step
@@ -274,6 +277,7 @@ class EngineCore:
         if request.grammar is not None:
             request.grammar.consume(token)
         request.logprobs.append(logprob)
+        request.weight_versions.append(self.weight_version)
         if request.top_logprobs is not None and top is not None:
             request.top_logprobs.append(top)
         if request.first_token_time is None:
@@ -293,19 +297,25 @@ class EngineCore:
 
     # -- weights and memory between rollouts ----------------------------------
     def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Copy new weights (name -> tensor) into the model; returns how many. Idle engines only.
+        """Copy new weights (name -> tensor) into the model; returns how many. Between steps, with no
+        request running: the engine's loop calls it idle, or paused (core_loop.py).
 
         The backend writes them wherever it keeps the weights (the CPU backend
         packs only the members named, in place, into the one copy it holds),
         and the prefix cache is dropped: its pages hold K/V of the old weights.
+        Requests a pause kept give back their K/V for the same reason: they are
+        computed again from token 0 under the new weights, their tokens kept, and
+        go on from where they stopped. `weight_version` counts the updates.
         """
-        self._require_idle("update weights")
         if self._stash is not None:
             raise RuntimeError("the weights are parked by sleep(level=2); call wake_up() before updating them")
+        self.scheduler.recompute_all()
         try:
-            return self.backend.load_weights(self.model, tensors)
+            written = self.backend.load_weights(self.model, tensors)  # checks everything before it writes
         finally:
             self.cache.pool.reset_prefix_cache()
+        self.weight_version += 1
+        return written
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while a request holds blocks."""
@@ -313,10 +323,11 @@ class EngineCore:
 
     def sleep(self, level: int = 1, weights_to: StashTarget = None) -> None:
         """Give the KV pool (and swap pool) back to the OS; at level 2 the weights too, parked in
-        `weights_to` (a file, a directory, a dict) or a private temp file. Idle engines only."""
+        `weights_to` (a file, a directory, a dict) or a private temp file. Idle or paused engines only: requests
+        a pause kept are computed again after wake_up."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}")
-        self._require_idle("sleep")
+        self.scheduler.recompute_all()  # requests a pause kept: their K/V goes with the pool, recomputed after
         self.cache.pool.reset_prefix_cache()
         self.cache.pool.touched = 0
         self.preemptor.release()
@@ -354,10 +365,6 @@ class EngineCore:
         """Install the backend on the model again; the batch builder takes the metadata builder it chose."""
         self.backend.install(self.model, self.spec)
         self.builder.metadata = self.backend.metadata_builder
-
-    def _require_idle(self, action: str) -> None:
-        if self.scheduler.has_work():
-            raise RuntimeError(f"cannot {action} while requests are running; wait for them to finish")
 
     def _mask_filler(self) -> MaskFiller:
         if self._masks is None:

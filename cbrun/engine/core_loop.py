@@ -14,6 +14,12 @@ requests and utility calls the same way). A call waits for its answer: a
 cancel takes effect between steps and the request's blocks are free when it
 returns. Once the loop has ended (after `stop`), calls run in the caller's
 thread, as nothing else touches the core then.
+
+A pause (vLLM's pause_generation, around a weight update) is a state of the
+loop, in one of three modes: "abort" ends the live requests with what they
+have; "wait" lets them finish and steps nothing else; "keep" steps nothing,
+so they stay as they are until `resume`. Requests submitted while paused are
+held outside the core until then.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Generic, TypeVar
 
 from cbrun.engine.core import EngineCore, StepOutcome, TokenEvent
 from cbrun.engine.request import Request, RequestStatus
+
+PAUSE_MODES = ("abort", "wait", "keep")
 
 log = logging.getLogger("cbrun.engine")
 
@@ -64,6 +72,9 @@ class CoreLoop:
         self.draining = False  # no new requests; the loop ends once the core has no work
         self.closed = False  # destroyed: nothing more may run
         self._ended = False  # the loop thread has returned
+        self.pause_mode: str | None = None  # paused in one of PAUSE_MODES, or running
+        self._held: list[Request] = []  # submitted while paused: they reach the core at `resume`
+        self._drained = threading.Event()  # paused and nothing left to step (what a "wait" pause waits for)
         self._thread = threading.Thread(target=self._run, name="cbrun-engine", daemon=True)
 
     def start(self) -> None:
@@ -100,49 +111,101 @@ class CoreLoop:
         return call
 
     def call_idle(self, action: str, fn: Callable[[], T]) -> T:
-        """fn() with no request queued, running or offloaded (else RuntimeError); submissions wait until it
-        returns, so none slips in while it works."""
+        """fn() while nothing steps (else RuntimeError): no request queued, running or offloaded, or the loop
+        paused (in "wait" mode, once its requests have finished). Submissions wait until it returns, so none
+        slips in while it works."""
 
         def guarded() -> T:
             with self._cond:
                 if self.closed:
                     raise RuntimeError(f"cannot {action}: the engine is destroyed")
-                if self.core.has_work() or any(isinstance(message, Request) for message in self._inbox):
-                    raise RuntimeError(f"cannot {action} while requests are queued or running; wait for them first")
+                if self.pause_mode is None and (
+                    self.core.has_work() or any(isinstance(message, Request) for message in self._inbox)
+                ):
+                    raise RuntimeError(
+                        f"cannot {action} while requests are queued or running; wait for them or pause first"
+                    )
+                if self.pause_mode == "wait" and self.core.has_work():
+                    raise RuntimeError(f"cannot {action} while paused requests are still finishing")
                 return fn()
 
         return self.call(guarded)
 
     def end_live(
         self, select: Callable[[Request], bool], status: RequestStatus, reason: str, error: str | None = None
-    ) -> bool:
-        """End every live request `select` picks (cancel, hard stop, a failed step): the one way the engine
-        ends requests from outside a step. Loop thread only (through `call`); True if any was live."""
+    ) -> list[Request]:
+        """End every live request `select` picks (cancel, abort, hard stop, a failed step), those held by a
+        pause included: the one way the engine ends requests from outside a step. Loop thread only (through
+        `call`); returns the requests it ended."""
+        held = [request for request in self._held if select(request)]
         ended = [request for request in self.core.live_requests() if select(request)]
+        for request in held:
+            self._held.remove(request)
+            self.core.finish(request, status, reason, error)  # never reached the core: nothing to give back
+            self._finished(request)
         for request in ended:
             try:
                 self.core.remove(request, status, reason, error)
             except Exception:  # bookkeeping may be what broke; `remove` finishes the request first: deliver it
                 log.exception("could not give back the blocks of request %s", request.request_id)
             self._finished(request)
-        return bool(ended)
+        return held + ended
+
+    # -- pause (loop thread, through `call`) ------------------------------------------
+    def pause(self, mode: str) -> list[Request]:
+        """Stop stepping new work: "abort" ends the live requests now (returned), "wait" steps only those in
+        the core until they finish, "keep" steps nothing. Requests submitted from now on are held."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if self.pause_mode is not None:
+            raise RuntimeError(f"already paused (mode {self.pause_mode!r}); resume first")
+        self.pause_mode = mode
+        self._drained.clear()
+        ended = self.end_live(lambda _: True, RequestStatus.CANCELLED, "abort") if mode == "abort" else []
+        self._note_drained()
+        return ended
+
+    def resume(self) -> None:
+        """Step again: kept requests go on, held ones reach the core in their submission order."""
+        self.pause_mode = None
+        for request in self._held:
+            self.core.add(request)
+        self._held.clear()
+
+    def wait_drained(self) -> None:
+        """Block until a pause has nothing left to step (its "wait" requests finished), or the loop has died."""
+        while not self._drained.wait(0.1):
+            if not self._thread.is_alive():
+                raise RuntimeError("the engine's loop thread has stopped")
+
+    def _note_drained(self) -> None:
+        if self.pause_mode is not None and not self._stepping():
+            self._drained.set()
+
+    def _stepping(self) -> bool:
+        """Whether the loop steps the core now: it has work and no pause forbids it."""
+        return self.core.has_work() and self.pause_mode in (None, "wait")
 
     def stop(self, hard: bool, message: str, timeout: float | None) -> None:
         """No new requests; drain what is queued and running, or with `hard` end it now as failed."""
 
         def fail_all() -> bool:
-            return self.end_live(lambda _: True, RequestStatus.FAILED, "error", message)
+            return bool(self.end_live(lambda _: True, RequestStatus.FAILED, "error", message))
 
-        call: _Call[bool] | None = None
+        call: _Call[bool] | _Call[None] | None = None
         with self._cond:  # with the flag, so that no step runs between the two
             self.draining = True
             self._cond.notify()
             if hard:
                 call = self._enqueue(fail_all)
+            elif self.pause_mode is not None:
+                call = self._enqueue(self.resume)  # a drain finishes what a pause kept or held
         if call is not None:
             call.future.result()
         elif hard:
             fail_all()
+        elif self.pause_mode is not None:
+            self.resume()
         self._thread.join(timeout)
 
     @property
@@ -155,7 +218,7 @@ class CoreLoop:
             while True:
                 with self._cond:
                     count = len(self._inbox)
-                    if not count and not self.core.has_work():
+                    if not count and not self._stepping():
                         if self.closed or self.draining:
                             return
                         self._cond.wait(timeout=0.5)
@@ -164,8 +227,9 @@ class CoreLoop:
                     with self._cond:
                         message = self._inbox.popleft()
                     self._handle(message)
-                if self.core.has_work():
+                if self._stepping():
                     self._step_safely()
+                self._note_drained()
         finally:
             with self._cond:
                 self._ended = True
@@ -179,6 +243,8 @@ class CoreLoop:
         elif message.error is not None:  # refused by the processor: it ends before it starts
             self.core.finish(message, RequestStatus.FAILED, "error", message.error)
             self._finished(message)
+        elif self.pause_mode is not None:
+            self._held.append(message)
         else:
             self.core.add(message)
 

@@ -9,15 +9,21 @@ How a request travels:
       -> EngineCore.step (core.py), until it finishes
       -> Engine._deliver (the loop thread): the ResultStore and the request's stream
 
-Only the loop thread touches the core. Cancels, statistics, weight updates
-and sleep are calls it runs between steps, so the core needs no lock.
+Only the loop thread touches the core. Cancels, aborts, pauses, statistics,
+weight updates and sleep are calls it runs between steps, so the core needs no
+lock.
+
+Around a weight update (vLLM's pause_generation): pause in mode "abort" (live
+requests end now with what they have, finish_reason "abort"), "wait" (they
+finish on the old weights first) or "keep" (they stay; after the update they
+are computed again under the new weights and go on from where they stopped),
+update, resume. Every token records the weights' version it was sampled under.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
 
 from cbrun.engine.config import EngineConfig
@@ -29,6 +35,7 @@ from cbrun.engine.request import GenerationOutput, Request, RequestStatus, Strea
 from cbrun.engine.results import ResultStore
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.stats import StatsSnapshot
+from cbrun.engine.streams import Streams
 from cbrun.engine.weights import StashTarget, WeightSource, read_weights
 
 __all__ = ["Engine", "Prompt"]
@@ -48,7 +55,7 @@ class Engine:
             tokenizer, self.core.spec, self.core.grammars, cache.pool.num_blocks, cache.max_blocks_for
         )
         self._results = ResultStore()
-        self._streams: dict[str, tuple[queue.Queue[StreamChunk], int]] = {}  # id -> (chunks, samples)
+        self._streams = Streams()
         self._ids = itertools.count()
         self._asleep = False  # sleep() gave the KV pool back; requests are refused until wake_up()
         self._loop = CoreLoop(self.core, self._deliver, self._stream_token)
@@ -62,14 +69,20 @@ class Engine:
         request_id: str | None = None,
         *,
         stream: bool = False,
+        on_chunk: Callable[[StreamChunk], None] | None = None,
     ) -> str:
         """Queue one prompt (text or token ids); returns its id. Never raises for a bad request:
-        it finishes with finish_reason "error" and a message instead."""
+        it finishes with finish_reason "error" and a message instead.
+
+        stream: read its tokens with `stream(id)`. on_chunk: instead, each chunk is handed to it on the
+        engine's thread (it must not block; AsyncLLM passes them to its event loop). The last chunk of each
+        sample carries its whole result (`StreamChunk.output`)."""
         rid = self._new_id(request_id)
-        group = self.processor.process(prompt, sampling, rid, stream)
-        if stream:
-            self._streams.setdefault(rid, (queue.Queue(), len(group)))
-        self._submit([group], stream)
+        streamed = stream or on_chunk is not None
+        group = self.processor.process(prompt, sampling, rid, streamed)
+        if streamed:
+            self._streams.open(rid, len(group), on_chunk)
+        self._submit([group], streamed)
         return rid
 
     def add_requests(
@@ -167,8 +180,11 @@ class Engine:
     # -- what the loop hands back (on its thread) ---------------------------------
     def _stream_token(self, event: TokenEvent) -> None:
         request = event.request
+        version = request.weight_versions[-1]
         chunk = StreamChunk(request.request_id, request.sample_index, event.token_id, event.logprob, event.text)
-        self._streams[request.request_id][0].put(chunk)
+        chunk.weight_version = version
+        chunk.top_logprobs = request.top_logprobs[-1] if request.top_logprobs else None
+        self._streams.put(chunk)
 
     def _deliver(self, request: Request) -> None:
         """A finished request's result: the last chunk of its stream, or into the result store."""
@@ -176,17 +192,9 @@ class Engine:
         if request.stream:
             sent = request.stream_text
             tail = output.text[len(sent) :] if output.text.startswith(sent) else ""
-            self._streams[request.request_id][0].put(
-                StreamChunk(
-                    request.request_id,
-                    request.sample_index,
-                    None,
-                    None,
-                    tail,
-                    finish_reason=output.finish_reason,
-                    error=output.error,
-                )
-            )
+            chunk = StreamChunk(request.request_id, request.sample_index, None, None, tail, output.finish_reason)
+            chunk.error, chunk.output = output.error, output
+            self._streams.put(chunk)
         self._results.put(output)
 
     # -- results --------------------------------------------------------------
@@ -209,16 +217,7 @@ class Engine:
 
     def stream(self, request_id: str) -> Iterator[StreamChunk]:
         """Per-token chunks of a request added with stream=True, in order; the last has finish_reason."""
-        entry = self._streams.get(request_id)
-        if entry is None:
-            raise KeyError(f"request {request_id!r} was not added with stream=True")
-        chunks, remaining = entry
-        while remaining:
-            chunk = chunks.get()
-            if chunk.finish_reason is not None:
-                remaining -= 1
-            yield chunk
-        self._streams.pop(request_id, None)
+        return self._streams.read(request_id)
 
     def generate_batch(
         self,
@@ -237,9 +236,25 @@ class Engine:
 
     def cancel_request(self, request_id: str) -> bool:
         """Cancel every sample of a request; its blocks are free when this returns."""
-        return self._loop.call(
-            lambda: self._loop.end_live(lambda r: r.request_id == request_id, RequestStatus.CANCELLED, "cancelled")
+        return bool(
+            self._loop.call(
+                lambda: self._loop.end_live(lambda r: r.request_id == request_id, RequestStatus.CANCELLED, "cancelled")
+            )
         )
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[GenerationOutput]:
+        """End these requests now (vLLM's abort_request) and return what each live sample produced so far:
+        tokens, logprobs, text, weight versions, with finish_reason "abort". Ids not live are skipped.
+
+        The results are also delivered as any end is (get_result, streams): whoever waits on them gets
+        them. Blocks are free when this returns. In the order of `request_ids`, samples in order."""
+        ids = [request_ids] if isinstance(request_ids, str) else [str(i) for i in request_ids]
+        wanted = set(ids)
+        ended = self._loop.call(
+            lambda: self._loop.end_live(lambda r: r.request_id in wanted, RequestStatus.CANCELLED, "abort")
+        )
+        ended.sort(key=lambda r: (ids.index(r.request_id), r.sample_index))
+        return [request.to_output() for request in ended]
 
     def num_unfinished(self) -> int:
         """Submitted results not yet returned by get_result or iteration."""
@@ -260,16 +275,55 @@ class Engine:
         return self.core.backend.weight_bytes(self.core.model)
 
     # -- weights and memory between rollouts -----------------------------------
-    def update_weights(self, weights: WeightSource) -> int:
+    # -- pausing around a weight update (vLLM's pause_generation / resume_generation) --------------
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> list[GenerationOutput]:
+        """Stop generating until `resume_generation`; returns the requests ended ("abort" mode).
+
+        mode "abort": live requests end now with what they have (finish_reason "abort");
+        "wait" (or "finish"): returns once they have finished on the current weights;
+        "keep": they stay where they are, and go on at resume (recomputed under new weights
+        if an update came in between). Requests submitted while paused wait for the resume.
+        clear_cache: forget cached prefixes once nothing holds them (kept requests hold theirs).
+        """
+        mode = "wait" if mode == "finish" else mode
+        ended = self._loop.call(lambda: self._loop.pause(mode))
+        self._loop.wait_drained()
+        if clear_cache:
+            self._loop.call(self.core.reset_prefix_cache)
+        return [request.to_output() for request in ended]
+
+    def resume_generation(self) -> None:
+        """Step again after `pause_generation` (nothing happens if not paused)."""
+        if self._asleep and self._loop.call(self.core.has_work):
+            raise RuntimeError("engine is asleep with requests a pause kept; call wake_up() before resuming")
+        self._loop.call(self._loop.resume)
+
+    def is_paused(self) -> bool:
+        return self._loop.pause_mode is not None
+
+    @property
+    def weight_version(self) -> int:
+        """How many times update_weights has changed the weights (each token's version is recorded)."""
+        return self.core.weight_version
+
+    def update_weights(self, weights: WeightSource, pause_mode: str | None = None) -> int:
         """Load new weights into the running engine; returns how many tensors were written.
 
         `weights`: a state dict (names of `model.state_dict()`, any dtype), (name, tensor)
         pairs, a safetensors file or a checkpoint directory. The prefix cache is dropped,
         so every later result is what a fresh engine with these weights gives, bit for bit.
-        Only between batches: raises RuntimeError while requests are queued or running.
+        Between batches or while paused; otherwise RuntimeError while requests are queued or
+        running, unless `pause_mode` is given: then it pauses in that mode, updates and resumes.
+        Requests a "keep" pause holds are recomputed under the new weights and go on.
         """
         tensors = read_weights(weights)  # disk reads in the caller's thread, while the loop steps
-        return self._loop.call_idle("update weights", lambda: self.core.update_weights(tensors))
+        if pause_mode is None:
+            return self._loop.call_idle("update weights", lambda: self.core.update_weights(tensors))
+        self.pause_generation(pause_mode)
+        try:
+            return self._loop.call_idle("update weights", lambda: self.core.update_weights(tensors))
+        finally:
+            self.resume_generation()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while requests hold cache blocks."""
@@ -280,7 +334,8 @@ class Engine:
 
         Level 2 parks the weights in `weights_to`: a safetensors file path, a directory, or a
         dict that receives the tensors (no copy); None writes a private temp file. Requests
-        added while asleep raise RuntimeError.
+        added while asleep raise RuntimeError. While paused, requests the pause kept lose their
+        K/V with the pool and are computed again after wake_up and resume.
         """
 
         def sleep() -> None:

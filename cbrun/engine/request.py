@@ -47,6 +47,10 @@ class GenerationOutput:
     completed its grammar (False: cut by max_tokens or a stop string, not valid).
     With a constraint, logprobs are the model's before the grammar mask unless
     the request set `masked_logprobs`.
+    weight_versions[i] is the version of the weights token_ids[i] was sampled under (0 at start,
+    one more at each `update_weights`): they differ only where a pause in "keep" mode spanned an
+    update. weight_version is the last token's (the version at the end when there is none).
+    finish_reason "abort": ended by `Engine.abort` or a pause in "abort" mode, with what it had.
 
     Scoring requests (`Engine.add_score_request`) fill the same fields for the
     given completion: token_ids is the completion, logprobs its teacher-forced
@@ -60,7 +64,7 @@ class GenerationOutput:
     token_ids: list[int]
     text: str
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str  # "stop" | "length" | "abort" | "cancelled" | "error"
     error: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
@@ -70,6 +74,8 @@ class GenerationOutput:
     is_greedy: bool | None = None  # scoring only
     prompt_logprobs: list[float | None] | None = None  # scoring with prompt logprobs only
     structured_complete: bool | None = None  # with a constraint: did the output complete its grammar?
+    weight_versions: list[int] = field(default_factory=list)  # one per token (scoring: per logprob)
+    weight_version: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,7 +94,7 @@ class GenerationOutput:
 
 @dataclass
 class StreamChunk:
-    """One generated token as it is produced; the last chunk carries finish_reason."""
+    """One generated token as it is produced; the last chunk carries finish_reason and the whole result."""
 
     request_id: str
     sample_index: int
@@ -97,6 +103,9 @@ class StreamChunk:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    weight_version: int | None = None  # the weights' version the token was sampled under
+    top_logprobs: list[tuple[int, float]] | None = None  # the token's alternatives, when the request asked
+    output: GenerationOutput | None = None  # the last chunk: the sample's result, as get_result would give it
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,8 @@ class Request:
     is_greedy: bool = True  # scoring: every completion token so far was the argmax
     grammar: GrammarState | None = None  # structured outputs: the matcher and next-token mask
     stop_ids: tuple[int, ...] = ()  # ids that end it (stop_token_ids, EOS unless ignore_eos), set when added
+    weight_versions: list[int] = field(default_factory=list)  # the weights' version of each token (or logprob)
+    weight_version: int = 0  # the last token's version, or the version at its end without one (set at finish)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -274,6 +285,8 @@ class Request:
             finish_time=self.finish_time,
             is_greedy=self.is_greedy if self.error is None else None,
             prompt_logprobs=prompt,
+            weight_versions=list(self.weight_versions),
+            weight_version=self.weight_version,
         )
 
     def _generation_output(self) -> GenerationOutput:
@@ -292,4 +305,6 @@ class Request:
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
             structured_complete=None if self.grammar is None else self.grammar.accepting,
+            weight_versions=list(self.weight_versions),
+            weight_version=self.weight_version,
         )

@@ -96,6 +96,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def recompute_all(self) -> None:
+        """Every live request gives back its blocks (and offloaded K/V) and waits to be computed again from
+        token 0, its tokens kept: a soft reset of all, for K/V that the weights it came from no longer give."""
+        for request in self.running:
+            self.add(request)
+        self.running = []
+        for request in self.waiting:
+            self.preemptor.discard(request)
+            self.cache.free(request.key)
+            request.restart()
+
     # -- the step ---------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work under the token, request and cache budgets."""

@@ -1,10 +1,13 @@
-"""vLLM's prompt forms -> (prompt text or None, token ids), and per-prompt sampling parameters."""
+"""vLLM's prompt forms and chats -> (prompt text or None, token ids), and per-prompt sampling parameters."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from cbrun.data.chat import flatten_messages
+from cbrun.data.follow_up import follow_up_text
 from cbrun.engine.model_spec import Tokenizer
 from cbrun.llm.params import SamplingParams, UnsupportedFieldError
 
@@ -72,3 +75,70 @@ def per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: 
         if not isinstance(value, SamplingParams):
             raise TypeError(f"sampling_params[{index}] must be cbrun.SamplingParams, got {type(value).__name__}")
     return params
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How `LLM.chat` renders its conversations (vLLM's arguments of the same names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
+
+
+def render_chats(
+    tokenizer: Any, messages: Any, history: Sequence[int] | Sequence[Sequence[int]] | None, options: ChatOptions
+) -> list[tuple[str | None, list[int]]]:
+    """(rendered text, ids) per conversation; after `history` ids, (None, history + the new turn's ids)."""
+    conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    conversations = [flatten_messages(list(conversation)) for conversation in conversations]
+    extra = options.chat_template_kwargs or {}
+    if history is None:
+        texts = [
+            tokenizer.apply_chat_template(
+                c,
+                tokenize=False,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                chat_template=options.chat_template,
+                tools=options.tools,
+                **extra,
+            )
+            for c in conversations
+        ]
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template holds them
+        return [(text, list(ids)) for text, ids in zip(texts, encoded)]
+    histories = _histories(history, len(conversations))
+    texts = [
+        follow_up_text(
+            tokenizer,
+            ids,
+            c,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            chat_template=options.chat_template,
+            tools=options.tools,
+            template_kwargs=extra,
+        )
+        for ids, c in zip(histories, conversations)
+    ]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [(None, ids + list(new)) for ids, new in zip(histories, encoded)]
+
+
+def _histories(history: Sequence[int] | Sequence[Sequence[int]], count: int) -> list[list[int]]:
+    """One id list per conversation: a flat list serves a single conversation."""
+    flat = bool(history) and all(_is_id(t) for t in history)
+    lists: list[list[Any]] = [list(history)] if flat else [list(h) for h in history]  # type: ignore[arg-type]
+    if len(lists) != count:
+        raise ValueError(f"history_token_ids: got {len(lists)} id lists for {count} conversations")
+    for index, ids in enumerate(lists):
+        if not ids or not all(_is_id(t) for t in ids):
+            raise TypeError(f"history_token_ids[{index}] must be a non-empty list of integer token ids")
+    return lists
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

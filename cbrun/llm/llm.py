@@ -7,6 +7,12 @@
     llm.wake_up()
     llm.update_weights(model.state_dict())   # in place; outputs now equal a fresh engine's
 
+While another thread is inside `generate`, `abort(ids)` ends requests with
+their partial output, and `pause_generation(mode)` / `update_weights` /
+`resume_generation()` change the weights under it: "abort" returns partial
+outputs to `generate`, "wait" lets them finish first, "keep" continues them
+on the new weights (each token carries the weights' version it came from).
+
 One call runs in three passes over the same engine: the samples, the prompt
 logprobs (teacher-forced scoring of prompt[1:] after prompt[0]) and, only
 for requests sampled at a temperature other than 0 and 1 that asked for
@@ -22,13 +28,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from cbrun.data.chat import flatten_messages
 from cbrun.engine import Engine, EngineConfig, GenerationOutput
 from cbrun.engine.model_spec import Tokenizer
 from cbrun.engine.sampling_params import SamplingParams as EngineSampling
 from cbrun.engine.weights import WeightSource
 from cbrun.llm.engine_args import engine_config as translate_options
-from cbrun.llm.inputs import as_prompt_list, encode_prompts, per_prompt
+from cbrun.llm.inputs import ChatOptions, as_prompt_list, encode_prompts, per_prompt, render_chats
 from cbrun.llm.outputs import OutputBuilder, RequestOutput
 from cbrun.llm.params import SamplingParams, UnsupportedFieldError
 from cbrun.llm.progress import PromptProgress
@@ -74,7 +79,8 @@ class LLM:
         self.max_model_len = min(max_model_len or self.engine.max_context, self.engine.max_context)
         self._seeds = random.Random(seed) if seed is not None else None
         self._ids = itertools.count()
-        self._out = OutputBuilder(tok, self.engine.core.spec.eos_token_ids)
+        self.output_builder = OutputBuilder(tok, self.engine.core.spec.eos_token_ids)
+        self._live: dict[str, SamplingParams] = {}  # requests of a generate call in progress, for abort
 
     # -- generation ------------------------------------------------------------
     def generate(
@@ -105,10 +111,16 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         mm_processor_kwargs: Any = None,
+        *,
+        history_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to a list of conversations.
 
         Message contents may be strings or OpenAI lists of parts (text parts are joined, media refused).
+        Each RequestOutput's prompt_token_ids are the exact ids the template rendered.
+        history_token_ids (cbrun's; one list, or one per conversation): the ids of the turns so far (a
+        previous output's prompt_token_ids + its completion's token_ids); `messages` are then only the new
+        ones, rendered after them and appended, so no earlier token is re-tokenized (data/follow_up.py).
         """
         _refuse("lora_request", lora_request)
         _refuse("mm_processor_kwargs", mm_processor_kwargs)
@@ -117,29 +129,26 @@ class LLM:
                 "chat(chat_template_content_format=...) is not supported by cbrun: "
                 "contents are flattened to strings ('auto' or 'string')"
             )
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        texts = [
-            self.tokenizer.apply_chat_template(
-                flatten_messages(list(conversation)),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                chat_template=chat_template,
-                **(chat_template_kwargs or {}),
-            )
-            for conversation in conversations
-        ]
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template holds them
-        items = [(text, list(ids)) for text, ids in zip(texts, encoded)]
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template, tools, chat_template_kwargs)
+        items = render_chats(self.tokenizer, messages, history_token_ids, options)
         return self._run(items, per_prompt(sampling_params, len(items)), use_tqdm)
 
     def _run(
         self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: Any
     ) -> list[RequestOutput]:
-        rids = [str(next(self._ids)) for _ in items]
-        engine_params = [self._engine_params(index, ids, p) for index, ((_, ids), p) in enumerate(zip(items, params))]
-        self.engine.add_requests([ids for _, ids in items], engine_params, rids)
+        rids = [str(next(self._ids)) for _ in items]  # as vLLM's LLM numbers them: abort() takes these
+        engine_params = [self.engine_params(index, ids, p) for index, ((_, ids), p) in enumerate(zip(items, params))]
+        self._live.update(zip(rids, params))
+        try:
+            self.engine.add_requests([ids for _, ids in items], engine_params, rids)
+            return self._finish_run(rids, items, params, use_tqdm)
+        finally:
+            for rid in rids:
+                self._live.pop(rid, None)
+
+    def _finish_run(
+        self, rids: list[str], items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: Any
+    ) -> list[RequestOutput]:
         scored: dict[str, GenerationOutput | None] = {}
         for rid, (_, ids), p in zip(rids, items, params):
             if p.prompt_logprobs is not None and len(ids) > 1:
@@ -153,7 +162,8 @@ class LLM:
             for rid, (text, ids), p in zip(rids, items, params)
         ]
 
-    def _engine_params(self, index: int, ids: list[int], params: SamplingParams) -> EngineSampling:
+    def engine_params(self, index: int, ids: list[int], params: SamplingParams) -> EngineSampling:
+        """The engine's parameters for prompt `index` (its ids): max_tokens within max_model_len, a seed."""
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(
@@ -208,21 +218,21 @@ class LLM:
         """(rid, sample) -> teacher-forced logprobs at temperature 1 for samples drawn at another
         temperature: vLLM reports raw logprobs, the engine the tempered ones it drew from."""
         todo = [
-            (rid, ids, p)
+            (rid, ids, p, [o for o in samples[rid] if o.token_ids])  # an abort may leave a sample without tokens
             for rid, (_, ids), p in zip(rids, items, params)
             if p.logprobs is not None and not p.greedy and p.temperature != 1.0
         ]
-        for rid, ids, p in todo:
-            completions = [o.token_ids for o in samples[rid]]
+        todo = [entry for entry in todo if entry[3]]
+        for rid, ids, p, outs in todo:
             self.engine.add_score_request(
                 ids,
-                completions,
+                [o.token_ids for o in outs],
                 f"{rid}/raw",
-                samples=[o.sample_index for o in samples[rid]],
+                samples=[o.sample_index for o in outs],
                 top_logprobs=_count(p.logprobs or 0, self.engine.vocab_size),  # todo holds rows with logprobs
             )
         raw: dict[tuple[str, int], GenerationOutput] = {}
-        for _ in range(sum(p.n for _, _, p in todo)):
+        for _ in range(sum(len(outs) for *_, outs in todo)):
             out = self.engine.get_result(timeout=None)
             if out.error is not None:
                 raise ValueError(f"rescoring {out.request_id}: {out.error}")
@@ -243,10 +253,12 @@ class LLM:
         for out in samples:
             again = raw.get((rid, out.sample_index))
             if again is None:
-                outputs.append(self._out.completion(out, params, None, None))
+                outputs.append(self.output_builder.completion(out, params, None, None))
             else:
-                outputs.append(self._out.completion(out, params, again.logprobs, again.top_logprobs))
-        prompt_logprobs = self._out.prompt_logprobs(ids, prompt_scored) if params.prompt_logprobs is not None else None
+                outputs.append(self.output_builder.completion(out, params, again.logprobs, again.top_logprobs))
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = self.output_builder.prompt_logprobs(ids, prompt_scored)
         return RequestOutput(
             rid,
             text,
@@ -256,11 +268,49 @@ class LLM:
             num_cached_tokens=min((o.num_cached_tokens for o in samples), default=0),
         )
 
-    # -- between rollouts -------------------------------------------------------
-    def update_weights(self, weights: WeightSource) -> int:
+    # -- abort, pause and weights between (or during) rollouts ------------------------------------
+    def abort(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """End requests of a `generate`/`chat` in progress (in another thread) now; returns what each had
+        produced, finish_reason "abort" (that call gets the same partial outputs). Request ids are the
+        RequestOutput ids, numbered from "0" in submission order as vLLM's LLM does; ids not live are skipped."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        params = {rid: self._live.get(rid) or SamplingParams() for rid in ids}  # before generate returns
+        outputs: dict[str, list[GenerationOutput]] = defaultdict(list)
+        for out in self.engine.abort(ids):
+            outputs[out.request_id].append(out)
+        return [
+            RequestOutput(
+                rid,
+                None,
+                list(outs[0].prompt_token_ids),
+                None,
+                [self.output_builder.completion(out, params[rid]) for out in outs],
+            )
+            for rid, outs in outputs.items()
+        ]
+
+    def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's pause before a weight update: "abort" ends in-flight requests with their partial output,
+        "wait" (or "finish") returns once they have finished on the current weights, "keep" holds them to go
+        on at `resume_generation` (under the new weights if updated meanwhile). New requests wait for resume."""
+        self.engine.pause_generation(mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self.engine.resume_generation()
+
+    def is_paused(self) -> bool:
+        return self.engine.is_paused()
+
+    @property
+    def weight_version(self) -> int:
+        """How many updates the weights have had: the version outputs record per token."""
+        return self.engine.weight_version
+
+    def update_weights(self, weights: WeightSource, pause_mode: str | None = None) -> int:
         """Load new weights in place (a state dict in any dtype, (name, tensor) pairs, a safetensors file
-        or a checkpoint directory); cached prefixes are dropped. Returns how many tensors were written."""
-        return self.engine.update_weights(weights)
+        or a checkpoint directory); cached prefixes are dropped. Returns how many tensors were written.
+        Between rollouts, while paused, or with `pause_mode` ("abort", "wait", "keep"): pause, update, resume."""
+        return self.engine.update_weights(weights, pause_mode)
 
     def sleep(self, level: int = 1, weights_to: Any = None) -> None:
         """Give the KV cache back to the OS (level 1), and the weights too (level 2: parked in

@@ -25,16 +25,23 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One sample of a prompt."""
+    """One sample of a prompt.
+
+    cbrun adds weight_versions (one per token: the version of the weights it was sampled under, 0 at
+    start and one more at each update_weights) and weight_version (the last token's), for rollouts that
+    a pause in "keep" mode carried across an update.
+    """
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
     lora_request: Any = None
+    weight_version: int = 0
+    weight_versions: list[int] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -91,6 +98,8 @@ class OutputBuilder:
             logprobs=positions,
             finish_reason=out.finish_reason,
             stop_reason=self.stop_reason(out, params),
+            weight_version=out.weight_version,
+            weight_versions=list(out.weight_versions),
         )
 
     def position(

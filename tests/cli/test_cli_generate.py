@@ -224,7 +224,9 @@ def test_every_kind_of_bad_row_becomes_an_error_row_and_exit_code_is_1(tiny_llam
     assert set(good) == {"good1", "good2"} and good["good2"]["num_completion_tokens"] <= 4
     assert errors == {
         "1": ["row 1: not valid JSON: Expecting value: line 1 column 1 (char 0)"],
-        "noprompt": ["row 2 (line 4): no prompt: expected a 'prompt', 'messages' or 'input_ids' field"],
+        "noprompt": [
+            "row 2 (line 4): no prompt: expected a 'prompt', 'messages', 'input_ids' or 'prompt_token_ids' field"
+        ],
         "empty": ["row 3 (line 5): prompt: empty prompt"],
         "long": [
             "row 4 (line 6): input_ids: prompt of 2100 tokens plus max_tokens 8 exceeds the model's "
