@@ -174,7 +174,7 @@ def test_silu_mul_matches_torch():
 
 def test_a_model_that_cannot_switch_attention_is_not_fused(tiny_llama_dir, monkeypatch):
     """The probe needs its own attention; without it the layers keep their stock forward and nothing fails."""
-    from cbrun.engine.backends.cpu import fused_layers
+    from cbrun.engine.backends.cpu import fused_probe
     from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
     from cbrun.engine.backends.cpu.held_weights import HeldWeights
 
@@ -182,7 +182,7 @@ def test_a_model_that_cannot_switch_attention_is_not_fused(tiny_llama_dir, monke
     original = model.set_attn_implementation
 
     def no_switch(name):
-        if name == fused_layers.PROBE_ATTENTION:
+        if name == fused_probe.PROBE_ATTENTION:
             raise ValueError("this attention is not supported by this model")
         return original(name)
 
@@ -212,7 +212,7 @@ def test_layers_are_fused_where_torchs_sdpa_refuses_to_run(tiny_llama_dir, monke
 
 
 def test_the_probes_attention_is_sdpas_causal_attention():
-    from cbrun.engine.backends.cpu.fused_layers import probe_attention
+    from cbrun.engine.backends.cpu.fused_probe import probe_attention
 
     torch.manual_seed(3)
     q, k, v = torch.randn(1, 6, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
@@ -226,12 +226,12 @@ def test_the_probes_attention_is_sdpas_causal_attention():
 
 def test_layers_alike_but_for_their_weights_share_one_probe(tiny_llama_dir, monkeypatch):
     """An 8B model's 32 layers probe once; a layer that differs in anything but its weights probes on its own."""
-    from cbrun.engine.backends.cpu import fused_layers
+    from cbrun.engine.backends.cpu import fused_layers, fused_probe
     from cbrun.engine.backends.cpu.held_weights import HeldWeights
 
     probed = []
-    probe = fused_layers._probe
-    monkeypatch.setattr(fused_layers, "_probe", lambda layer, *args: probed.append(layer) or probe(layer, *args))
+    probe = fused_probe.probe
+    monkeypatch.setattr(fused_layers, "probe", lambda layer, *args: probed.append(layer) or probe(layer, *args))
     model = _load(tiny_llama_dir)
     assert len(fused_layers.install_fused_layers(model, kernels, F32, HeldWeights(model))) == 2
     assert probed == [model.model.layers[0]]

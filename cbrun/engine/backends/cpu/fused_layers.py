@@ -14,8 +14,9 @@ kernel calls:
 
 It applies to layers shaped like Llama's (Llama, Mistral, Qwen2, Qwen3 with
 its per-head q/k norms, SmolLM, ...): the structure is checked, and then each
-layer is run both ways on random inputs at install time; a layer whose fused
-result differs from its stock forward keeps the stock forward. Every
+distinct layer is run both ways on random inputs at install time
+(fused_probe.py); a layer whose fused result differs from its stock forward
+keeps the stock forward. Every
 projection goes through the compiled linear kernel, whose sums do not depend
 on the number of rows (batch invariance).
 
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from cbrun.engine.backends.cpu.fused_probe import probe, probe_key, register_probe_attention
 from cbrun.engine.backends.cpu.held_weights import HeldWeights
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.model_spec import CausalLM
@@ -52,12 +54,6 @@ _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _HEAD_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 _CACHE_KWARGS = ("cache", "past_key_values")
-# a decode-sized step and a prefill-sized one: past the kernels' row blocks (8, 16, 32), small enough that a probe
-# at 8B shapes takes a second (the kernels' own invariance at every row count is the self-check's)
-_PROBE_TOKENS = (5, 67)
-# relative to the output's largest magnitude: fp32 sums in another order; bf16 rounds at other points than the
-# stock forward (which rounds after every op) but a wrong formula still misses by O(1)
-_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2}
 
 
 @dataclass
@@ -166,7 +162,7 @@ def install_fused_layers(
         return []
     previous = model.config._attn_implementation
     try:
-        model.set_attn_implementation(_register_probe_attention())  # a pure function of q, k, v for the probe
+        model.set_attn_implementation(register_probe_attention())  # a pure function of q, k, v for the probe
     except Exception as exc:  # a model that takes no registered attention: no probe, no fusion
         log.info("fused CPU decoder layers off: %s", exc)
         verified = []
@@ -174,10 +170,11 @@ def install_fused_layers(
         try:
             outcomes: dict[tuple, bool] = {}  # one probe per distinct layer: an 8B model's 32 layers probe once
             for layer, plan in plans:
-                key = _probe_key(layer, held)
+                key = probe_key(layer, held)
                 if key not in outcomes:
-                    outcomes[key] = _probe(layer, plan, kernels, rotary)
-            verified = [(layer, plan) for layer, plan in plans if outcomes[_probe_key(layer, held)]]
+                    fused = functools.partial(_fused_call, kernels=kernels, stock_forward=layer.forward)
+                    outcomes[key] = probe(layer, plan, fused, rotary)
+            verified = [(layer, plan) for layer, plan in plans if outcomes[probe_key(layer, held)]]
         finally:
             model.set_attn_implementation(previous)
     for _, plan in plans:
@@ -224,6 +221,13 @@ def fused_forward(
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
     gated = plan.gated_method(normed, plan.dtype)  # [T, I]: the down projection reads it in the model's dtype
     return (residual + plan.down_method(gated, torch.float32)).to(plan.dtype).unsqueeze(0)
+
+
+def _fused_call(
+    plan: LayerPlan, hidden: torch.Tensor, *, kernels: CpuKernels, stock_forward: Callable[..., Any], **kwargs: Any
+) -> torch.Tensor:
+    """fused_forward with the plan and hidden states first (as the probe calls it)."""
+    return fused_forward(plan, kernels, stock_forward, hidden, **kwargs)
 
 
 def _attention(
@@ -349,87 +353,3 @@ def _norm(module: object) -> Norm | None:
     ):
         return None
     return Norm(module, eps)
-
-
-PROBE_ATTENTION = "cbrun_probe"
-
-
-def probe_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention in plain torch ops, for the probe: query [B, H, T, D], key and value [B, H_kv, T, D] ->
-    [B, T, H, D]; scores and softmax in fp32, any number of query heads per KV head. A sliding window passed
-    in kwargs is not applied (as SDPA without a mask): the two forwards pass it differently (the stock one from
-    the config, the fused one from the module), and the engine's own attention applies the model's window."""
-    group = query.shape[1] // key.shape[1]
-    keys = key.repeat_interleave(group, dim=1).float()  # [B, H, T, D]
-    values = value.repeat_interleave(group, dim=1).float()
-    scores = torch.matmul(query.float(), keys.transpose(-1, -2)) * scaling  # [B, H, T, T]
-    tokens = query.shape[2]
-    position = torch.arange(tokens)
-    hidden = position[None, :] > position[:, None]  # [T, T] keys after the query
-    scores = scores.masked_fill(hidden, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), values).to(query.dtype)  # [B, H, T, D]
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register_probe_attention() -> str:
-    ALL_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, probe_attention)
-    return PROBE_ATTENTION
-
-
-def _probe_key(layer: Layer, held: HeldWeights) -> tuple:
-    """What decides the function a layer computes, apart from its weights: each submodule's class and any forward
-    set on the instance (by kind where it is a layer method `held` routed), its parameters' shapes and dtypes, and
-    its plain settings (eps, scaling, sliding window, attention type, ...; the layer index aside). Layers with
-    equal keys run the same code."""
-    key = []
-    for name, module in layer.named_modules():
-        settings = tuple(
-            sorted(
-                (attr, value)
-                for attr, value in vars(module).items()
-                if attr != "layer_idx" and (value is None or isinstance(value, (bool, int, float, str)))
-            )
-        )
-        forward = module.__dict__.get("forward")
-        own_forward = type(forward) if held.forwards.get(module) is forward else id(forward) if forward else None
-        parameters = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters(recurse=False))
-        key.append((name, type(module), own_forward, settings, parameters))
-    return tuple(key)
-
-
-@torch.inference_mode()
-def _probe(layer: Layer, plan: LayerPlan, kernels: CpuKernels, rotary: Callable[..., Any]) -> bool:
-    """Whether the fused forward reproduces the stock one on random inputs, through the model's attention."""
-    generator = torch.Generator().manual_seed(0)
-    hidden = plan.input_norm.weight.numel()
-    for tokens in _PROBE_TOKENS:
-        x = torch.randn(1, tokens, hidden, generator=generator).to(plan.dtype)
-        positions = torch.arange(3, 3 + tokens).unsqueeze(0)
-        embeddings = rotary(x, positions)
-        try:
-            expected = layer(x, position_ids=positions, position_embeddings=embeddings)
-            fused = fused_forward(
-                plan, kernels, layer.forward, x, position_ids=positions, position_embeddings=embeddings
-            )
-        except Exception as exc:  # an unexpected signature or shape: keep the stock forward
-            log.info("fused layer probe failed for %s: %s", type(layer).__name__, exc)
-            return False
-        expected = expected[0] if isinstance(expected, tuple) else expected
-        scale = expected.abs().max().item() or 1.0
-        if not torch.allclose(fused.float(), expected.float(), rtol=0, atol=_PROBE_TOLERANCE[plan.dtype] * scale):
-            log.info(
-                "fused layer differs from %s's forward (max error %.3g); keeping the stock one",
-                type(layer).__name__,
-                (fused - expected).abs().max().item(),
-            )
-            return False
-    return True
