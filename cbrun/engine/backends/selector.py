@@ -48,7 +48,9 @@ def _torch(device: torch.device, policy: str, quantization: str | None) -> Backe
 
 def _no_quantization(backend: str, quantization: str | None) -> None:
     if quantization is not None:
-        raise BackendUnavailable(f"quantization {quantization!r} runs on the compiled CPU kernels only, not on {backend}")
+        raise BackendUnavailable(
+            f"quantization {quantization!r} runs on the compiled CPU kernels only, not on {backend}"
+        )
 
 
 def _cpu(device: torch.device, policy: str, quantization: str | None, required: bool = True) -> Backend:

@@ -86,6 +86,7 @@ class CpuBackend(TorchBackend):
     ) -> LinearMethod:
         """Give the output head its method in the model's dtype, choose the int8 method (after its self-check) and
         make it the method of every other linear, fp32 and bf16 alike; returns it."""
+        assert self.held is not None  # made by install first
         if head is not None:
             install_linear_methods(head, self.kernels, methods, self.held)  # the head stays in its dtype
         shapes = sorted(

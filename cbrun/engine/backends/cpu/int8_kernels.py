@@ -105,7 +105,16 @@ class Int8Kernels:
         q = torch.empty(count, inner, dtype=torch.int8)
         scale = torch.empty(count, dtype=torch.float32)
         status = self._lib.i8_unpack_weight(
-            _ptr(packed), inner, self.ROLES[role], first, _optional_ptr(ids), count, _ptr(q), inner, _ptr(scale), _threads()
+            _ptr(packed),
+            inner,
+            self.ROLES[role],
+            first,
+            _optional_ptr(ids),
+            count,
+            _ptr(q),
+            inner,
+            _ptr(scale),
+            _threads(),
         )
         _check(status, "int8 unpack")
         return q, scale

@@ -54,7 +54,8 @@ class MethodChoice:
         """ "bfloat16 dpbf16-isa (same bits on every CPU)": the run summary's line."""
         name = self.method.name if self.method else "none"
         bits = "same bits on every CPU" if self.method and self.method.portable else "this CPU only"
-        return f"{str(self.dtype).removeprefix('torch.')} {name} ({bits})"
+        label = "int8 W8A8 (every linear but the head)" if self.dtype == torch.int8 else str(self.dtype)[6:]
+        return f"{label} {name} ({bits})"
 
     def summary(self) -> str:
         name = str(self.dtype).removeprefix("torch.")
