@@ -16,8 +16,14 @@ embeddings are not linear methods of this kind: they stay in the model's dtype.
 
 The packed matrix (int8 weights, each output's weight sum and scale) is the
 only copy the engine keeps. Reading a member back (`weight`, at close) gives
-its dequantized values q * scale in the dtype it was given: an int8 engine's
-model comes back quantized.
+its dequantized values q * scale in the dtype it was given, so an int8
+engine's model comes back quantized, carrying its int8 form beside it (the
+tensor attribute PREQUANTIZED, as a compressed-tensors checkpoint's weights
+do): a weight that carries its int8 form and equals that form's dequantized
+values bit for bit is packed as that form (quantizing q * scale again in bf16
+would not always give q and scale back), so sleep(level=2) and wake_up, or a
+second engine on the same model, serve the same int8 weights. Any other
+weight, or one changed since, is quantized by the rule.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, int8_kerne
 from cbrun.engine.backends.cpu.kernels import CpuKernels
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, _fp32_bias, _offsets
 
-PREQUANTIZED = "cbrun_int8"  # a weight tensor's attribute: (q [N, K] int8, scale [N] fp32) from a checkpoint
+PREQUANTIZED = "cbrun_int8"  # a weight tensor's attribute: its int8 form (q [N, K] int8, scale [N] fp32)
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,18 @@ INT8_SCALAR = Int8Method("int8-scalar", torch.bfloat16, True, "int8", "scalar")
 INT8_METHODS = {m.name: m for m in (INT8_AMX, INT8_VNNI, INT8_AVX2, INT8_SCALAR)}
 
 
+def int8_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) for `weight`: the int8 form it carries when it equals that form dequantized, bit for bit, else
+    quantize_weight's. The carried form is consumed (the packed matrix is then its only copy)."""
+    given = getattr(weight, PREQUANTIZED, None)
+    if given is not None:
+        delattr(weight, PREQUANTIZED)
+        q, scale = given
+        if q.shape == weight.shape and torch.equal(dequantize_weight(q, scale, weight.dtype), weight.detach()):
+            return q, scale
+    return quantize_weight(weight)
+
+
 class Int8Linear:
     """linear_int8.c: one or several weights (q|k|v; or gate and up, gated) quantized and packed side by side."""
 
@@ -105,12 +123,7 @@ class Int8Linear:
             self.up_bias = None
         self.packed = self.int8.packed(self.outputs, self.inner, gated)  # int8 [blocks * (Kp * 32 + 256)]
         for index, weight in enumerate(weights):
-            given = getattr(weight, PREQUANTIZED, None)
-            if given is not None:  # a checkpoint's own int8 weights: packed as they are, then forgotten
-                self._pack(index, *given)
-                delattr(weight, PREQUANTIZED)
-            else:
-                self._pack(index, *quantize_weight(weight))
+            self._pack(index, *int8_form(weight))
 
     def _call(self, x: torch.Tensor, mode: str, out_dtype: torch.dtype | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
@@ -134,7 +147,11 @@ class Int8Linear:
         return self.int8.unpack(self.packed, self.inner, self.roles[index], self.starts[index], self.widths[index])
 
     def weight(self, index: int) -> torch.Tensor:
-        return dequantize_weight(*self.quantized(index), self.dtype)  # [N_index, K]
+        """q * scale [N_index, K] in the dtype it was given, carrying its int8 form (PREQUANTIZED)."""
+        q, scale = self.quantized(index)
+        dense = dequantize_weight(q, scale, self.dtype)
+        setattr(dense, PREQUANTIZED, (q, scale))
+        return dense
 
     def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
         if weight is not None:
