@@ -240,6 +240,10 @@ def test_fused_members_equal_the_whole_call_and_read_back_their_quantized_weight
     assert torch.equal(_bits(layer(x, torch.float32)), _bits(fresh(x, torch.float32)))
     layer.release()
     assert layer.packed.numel() == 0
+    with pytest.raises(KernelError, match="beyond the packed matrix"):  # refused, never read past the end
+        layer(x)
+    with pytest.raises(KernelError, match="beyond the packed matrix"):
+        layer.quantized(2)
 
 
 def test_a_weight_carrying_its_int8_form_is_packed_as_that_form_only_while_it_equals_it():

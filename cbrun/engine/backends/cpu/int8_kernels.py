@@ -82,6 +82,7 @@ class Int8Kernels:
             or not scale.is_contiguous()
         ):
             raise KernelError(f"int8 pack: q {tuple(q.shape)} {q.dtype} with scale {tuple(scale.shape)} {scale.dtype}")
+        self._check_blocks(packed, inner, role, first + q.shape[0] - 1, "int8 pack")
         status = self._lib.i8_pack_weight(
             _ptr(q), q.stride(0), _ptr(scale), q.shape[0], inner, self.ROLES[role], first, _ptr(packed), _threads()
         )
@@ -102,6 +103,11 @@ class Int8Kernels:
             if ids.dtype != torch.int64 or not ids.is_contiguous():
                 raise KernelError("int8 unpack: ids must be contiguous int64")
             count = ids.numel()
+        if count:
+            last = int(ids.max()) if ids is not None else first + count - 1
+            if ids is not None and int(ids.min()) < 0:
+                raise KernelError("int8 unpack: a negative output id")
+            self._check_blocks(packed, inner, role, last, "int8 unpack")
         q = torch.empty(count, inner, dtype=torch.int8)
         scale = torch.empty(count, dtype=torch.float32)
         status = self._lib.i8_unpack_weight(
@@ -156,6 +162,7 @@ class Int8Kernels:
         for b in (bias, up_bias):
             if b is not None and (b.dtype != torch.float32 or b.shape != (outputs,) or not b.is_contiguous()):
                 raise KernelError(f"int8 linear: bias {tuple(b.shape)} {b.dtype} is not fp32 [{outputs}]")
+        self._check_blocks(packed, inner, "gate" if mode in ("silu", "raw") else "plain", outputs - 1, "int8 linear")
         if mode == "int":
             out = torch.empty(rows, outputs, dtype=torch.int32)
         else:
@@ -184,6 +191,15 @@ class Int8Kernels:
         )
         _check(status, "int8 linear")
         return out
+
+    def _check_blocks(self, packed: torch.Tensor, inner: int, role: str, last: int, name: str) -> None:
+        """Raise unless `packed` (int8, contiguous) holds output `last` of `role` over `inner` inputs: a matrix
+        released or made for other shapes is refused, never read past its end."""
+        if packed.dtype != torch.int8 or not packed.is_contiguous() or not self.inner_fits(inner):
+            raise KernelError(f"{name}: the packed matrix is not contiguous int8 over a K that fits")
+        needed = int(self._lib.i8_packed_size(last + 1, inner, int(role != "plain")))
+        if last < 0 or packed.numel() < needed:
+            raise KernelError(f"{name}: output {last} is beyond the packed matrix ({packed.numel()} bytes)")
 
     def _scratch(self, rows: int, inner: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for the quantized rows (padded to whole row groups) and their scales, per thread, grown on demand."""
