@@ -96,22 +96,28 @@ from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
 assert load_cpu_kernels().vector_width == 8, "not the AVX2 build"
 from cbrun.models import load_model
 import test_reference_bits as ref
-ref._check("tiny-llama/" + {dtype!r}, *load_model({model!r}, dtype={dtype!r}, device="cpu"))
-ref._check("tiny-llama/" + {dtype!r} + "/int8", *load_model({model!r}, dtype={dtype!r}, device="cpu"), "int8")
+quantization = {quantization!r}
+key = "tiny-llama/" + {dtype!r} + ("/" + quantization if quantization else "")
+ref._check(key, *load_model({model!r}, dtype={dtype!r}, device="cpu"), quantization)
 """
 
 
 @pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 @pytest.mark.skipif("avx512f" not in cpu_flags().split(), reason="this CPU runs the AVX2 build: the tests above")
+@pytest.mark.parametrize("quantization", [None, "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_avx2_build_on_this_cpu_gives_the_reference_bits(tiny_llama_dir, dtype, tmp_path):
-    """The kernels built for AVX2 (8 lanes, the pair-dot twin) and torch held to AVX2 give the same bits as the
-    native AVX-512 build: what an AVX2-only machine computes, checked on this one."""
+def test_an_avx2_build_on_this_cpu_gives_the_reference_bits(tiny_llama_dir, dtype, quantization, tmp_path):
+    """The kernels built for AVX2 (8 lanes, the pair-dot twin, int8 on vpmaddwd) and torch held to AVX2 give the
+    same bits as the native AVX-512 build: what an AVX2-only machine computes, checked on this one."""
     if WRITE:
         pytest.skip("writing the reference")
     env = dict(os.environ, CBRUN_KERNEL_MARCH="x86-64-v3", ATEN_CPU_CAPABILITY="avx2", CBRUN_CACHE=str(tmp_path))
     script = _AVX2_RUN.format(
-        here=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]), dtype=dtype, model=str(tiny_llama_dir)
+        here=str(Path(__file__).parent),
+        tests=str(Path(__file__).parents[1]),
+        dtype=dtype,
+        model=str(tiny_llama_dir),
+        quantization=quantization,
     )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
