@@ -16,7 +16,7 @@ from cbrun.models import load_model
 
 @pytest.mark.skipif(load_cpu_kernels() is None, reason="compiled CPU kernels unavailable (no C compiler)")
 def test_the_int8_probe_measures_cbruns_kernel_and_torchs_beside_bf16(tiny_llama_dir):
-    rates = measure_int8_gops([(64, 128), (128, 64)], rows=32, repeats=1)
+    rates = measure_int8_gops([(256, 512), (512, 256)], rows=64, repeats=2)
     assert rates["cbrun"] > 0 and set(rates) == {"cbrun", "torch"}
     model, _ = load_model(str(tiny_llama_dir), dtype="bfloat16")
     plain = measure_ceiling(model, model.dtype)
