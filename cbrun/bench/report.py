@@ -115,6 +115,7 @@ def _entry(
         computed_tokens_per_s=computed_per_s,
         compute_ceiling_fraction=ceiling_fraction(computed_per_s, ceiling) if ceiling else None,
         compute_ceiling_fraction_run_dtype=ceiling_fraction(computed_per_s, ceiling, run_dtype) if ceiling else None,
+        compute_ceiling_fraction_int8=ceiling_fraction(computed_per_s, ceiling, "int8") if ceiling else None,
         output_count_check=check or "ok",
         notes=r.notes,
         details=r.details,
@@ -201,7 +202,13 @@ def report_lines(report: dict) -> list[str]:
             run_dtype = report["config"].get("dtype_resolved", "")
             lines.append(
                 f"Compute ceiling fraction: {fmt(e['compute_ceiling_fraction'], 3)} of bf16 GEMM, "
-                f"{fmt(e['compute_ceiling_fraction_run_dtype'], 3)} of {run_dtype} GEMM ({e['engine']})"
+                f"{fmt(e['compute_ceiling_fraction_run_dtype'], 3)} of {run_dtype} GEMM"
+                + (
+                    f", {fmt(e['compute_ceiling_fraction_int8'], 3)} of int8 GEMM"
+                    if e.get("compute_ceiling_fraction_int8") is not None
+                    else ""
+                )
+                + f" ({e['engine']})"
             )
     for e in report["results"]:
         if e["status"] == "ok":

@@ -30,7 +30,8 @@ def run_bench(
     ceiling = None
     if with_ceiling:
         ctx.progress.message("[bench] measuring the GEMM rate")
-        ceiling = measure_ceiling(ctx.model, ctx.dtype, ctx.device)
+        quantization = getattr(ctx.engine_config, "quantization", None)
+        ceiling = measure_ceiling(ctx.model, ctx.dtype, ctx.device, quantization)
     run_dtype = str(ctx.dtype).removeprefix("torch.")
     return build_report(
         config, machine_info(ctx.device), results, ceiling, checks, run_dtype, workload.num_distinct_prompt_tokens

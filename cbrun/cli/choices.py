@@ -28,6 +28,10 @@ class Kernels(str, Enum):
     fastest = "fastest"
 
 
+class Quantization(str, Enum):
+    int8 = "int8"
+
+
 class Scheduler(str, Enum):
     fifo = "fifo"
     prefill_first = "prefill-first"

@@ -41,6 +41,7 @@ def build_engine_config(
     cpu_offload_gb: float | None = None,
     max_memory_percent: float | None = None,
     kernels: str | None = None,
+    quantization: str | None = None,
 ) -> EngineConfig:
     """EngineConfig from command-line values; None keeps EngineConfig's default.
 
@@ -62,6 +63,7 @@ def build_engine_config(
         "cpu_offload_space": cpu_offload_gb,
         "max_memory_percent": max_memory_percent,
         "kernels": kernels.value if isinstance(kernels, Enum) else kernels,
+        "quantization": quantization.value if isinstance(quantization, Enum) else quantization,
     }
     try:
         return EngineConfig(**{name: value for name, value in given.items() if value is not None})

@@ -89,8 +89,8 @@ def gather(policy: str = "portable") -> dict:
             "policy": policy,
         }
         shapes = [Shape(n, k) for n, k in _DEFAULT_MODEL_SHAPES]
-        for dtype in (torch.float32, torch.bfloat16):
-            choice = choose_linear_method(kernels, dtype, shapes, policy)
+        for dtype in (torch.float32, torch.bfloat16, torch.int8):  # int8: --quantization int8, all but the head
+            choice = choose_linear_method(kernels, dtype, shapes if dtype != torch.int8 else shapes[:-1], policy)
             info["linear_methods"][str(dtype).removeprefix("torch.")] = {
                 "method": choice.method.name if choice.method else None,
                 "same_bits_on_every_cpu": bool(choice.method and choice.method.portable),
@@ -110,7 +110,7 @@ def gather(policy: str = "portable") -> dict:
     return info
 
 
-def gather_model(spec: str, dtype: str, policy: str = "portable") -> dict:
+def gather_model(spec: str, dtype: str, policy: str = "portable", quantization: str | None = None) -> dict:
     """What a model costs here: its parameters' bytes, the bytes the engine holds for them once started (the CPU
     backend's packed matrices and what the model keeps), load and start-up seconds, and the peak RSS."""
     import time
@@ -123,7 +123,8 @@ def gather_model(spec: str, dtype: str, policy: str = "portable") -> dict:
     model, tokenizer = load_model(spec, dtype, "cpu")
     loaded = time.perf_counter()
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
-    with Engine(model, tokenizer, EngineConfig(num_blocks=16, kernels=policy)) as engine:  # type: ignore[arg-type]
+    config = EngineConfig(num_blocks=16, kernels=policy, quantization=quantization)  # type: ignore[arg-type]
+    with Engine(model, tokenizer, config) as engine:
         ready = time.perf_counter()
         held = engine.weight_bytes()
         linear_kernels = engine.linear_kernels()
@@ -152,6 +153,9 @@ def info(
         ),
     ] = None,
     dtype: Annotated[str, typer.Option(help="The dtype to load --model in (as generate's --dtype).")] = "auto",
+    quantization: Annotated[
+        Optional[str], typer.Option(help="Start --model's engine with this quantization (int8), as generate's.")
+    ] = None,
 ) -> int:
     """Show the CPU, the kernel build, each dtype's linear method and its self-check, and versions (with --model,
     what that model costs here)."""
@@ -159,9 +163,11 @@ def info(
 
     if kernels not in ("portable", "fastest"):
         raise CliError(f"--kernels must be portable or fastest, got {kernels!r}")
+    if quantization not in (None, "int8"):
+        raise CliError(f"--quantization must be int8, got {quantization!r}")
     data = gather(kernels)
     if model is not None:
-        data["model"] = _gather_model_or_fail(model, dtype, kernels)
+        data["model"] = _gather_model_or_fail(model, dtype, kernels, quantization)
     if as_json:
         print(json.dumps(data, indent=2))
         return 0
@@ -190,7 +196,8 @@ def info(
     for dtype, method in data["linear_methods"].items():
         name = method["method"] or "none passed"
         bits = "same bits on every CPU" if method["same_bits_on_every_cpu"] else "this CPU's own bits"
-        print(f"{dtype:<10} {name} ({bits})", file=out)
+        what = ", --quantization int8: every linear but the head (W8A8)" if dtype == "int8" else ""
+        print(f"{dtype:<10} {name} ({bits}{what})", file=out)
         for check in method["checks"]:
             cost = "cached" if check["cached"] else f"{check['seconds']:.2f} s"
             print(
@@ -205,14 +212,14 @@ def info(
     return 0
 
 
-def _gather_model_or_fail(spec: str, dtype: str, policy: str) -> dict:
+def _gather_model_or_fail(spec: str, dtype: str, policy: str, quantization: str | None) -> dict:
     from cbrun.bench.random_model import RandomModelError, is_random, random_model_dir
     from cbrun.cli.common import CliError, first_line
     from cbrun.models import ModelLoadError
 
     try:
         path = str(random_model_dir(spec)) if is_random(spec) else spec  # bench's random shapes, built once
-        return {**gather_model(path, dtype, policy), "model": spec}
+        return {**gather_model(path, dtype, policy, quantization), "model": spec}
     except (ModelLoadError, RandomModelError) as exc:
         raise CliError(first_line(exc)) from None
 

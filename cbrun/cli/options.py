@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
-from cbrun.cli.choices import Device, Dtype, Kernels, Scheduler
+from cbrun.cli.choices import Device, Dtype, Kernels, Quantization, Scheduler
 from cbrun.cli.common import CliError, build_engine_config
 from cbrun.models import DEFAULT_MODEL
 
@@ -160,6 +160,15 @@ class EngineOptions:
             help="CPU linear kernels: portable (default; the same bits on every CPU) or fastest (may take a method "
             "whose bits are this CPU's own, e.g. oneDNN on fixed blocks, when a trial shows it faster; still "
             "batch-invariant).",
+            show_default=False,
+        ),
+    ] = None
+    quantization: Annotated[
+        Optional[Quantization],
+        engine_option(
+            help="int8: W8A8 on the CPU kernels (every linear but the output head: int8 weights per output channel, "
+            "quantized at load or read from a compressed-tensors W8A8 checkpoint, int8 activations per token, exact "
+            "int32 sums; the same bits alone or in a crowd and on every CPU). Default: the model's dtype.",
             show_default=False,
         ),
     ] = None

@@ -16,6 +16,8 @@ BackendName = Literal["auto", "cpu", "triton", "torch"]
 BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
 KernelPolicy = Literal["portable", "fastest"]
 KERNEL_POLICIES: tuple[str, ...] = get_args(KernelPolicy)
+Quantization = Literal["int8"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 class ConfigError(ValueError):
@@ -61,6 +63,12 @@ class EngineConfig:
         vdpbf16ps or its exact twin for bf16) or "fastest" (also methods
         whose bits are this CPU's own, such as oneDNN on fixed blocks, when
         a timed trial shows them faster; still batch-invariant).
+    quantization: None (the default: the model's own dtype) or "int8": W8A8
+        on the CPU kernels, every linear layer but the output head with int8
+        weights (per output channel, quantized at load) and int8 activations
+        (per token, at every call), exact int32 sums; the head, embeddings,
+        norms, attention and KV cache stay in the model's dtype
+        (cpu/int8_linear.py).
     """
 
     page_size: int = 16
@@ -75,6 +83,7 @@ class EngineConfig:
     prefault_blocks: int = 0
     backend: BackendName = "auto"
     kernels: KernelPolicy = "portable"
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         check(self.page_size >= 4, f"page_size must be at least 4, got {self.page_size}")
@@ -100,6 +109,10 @@ class EngineConfig:
         check(
             self.kernels in KERNEL_POLICIES,
             f"kernels must be one of {', '.join(KERNEL_POLICIES)}, got {self.kernels!r}",
+        )
+        check(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {self.quantization!r}",
         )
         check(
             0.0 < self.max_memory_percent <= 1.0,

@@ -90,7 +90,7 @@ class EngineCore:
         self.preemptor = make_preemptor(self.cache, self.store, config.cpu_offload_space)
         self.scheduler = Scheduler(config, self.cache, self.preemptor)
         # kernels, linears, attention, sampler
-        self.backend: Backend = choose_backend(model, config.backend, self.spec, config.kernels)
+        self.backend: Backend = choose_backend(model, config.backend, self.spec, config.kernels, config.quantization)
         self.builder = BatchBuilder(
             self.cache,
             self.store,

@@ -1,8 +1,8 @@
 """vLLM's `LLM(...)` engine options mapped onto cbrun's `EngineConfig`.
 
 Options with a cbrun meaning are translated; options that only describe a
-GPU deployment cbrun cannot be (tensor parallelism, quantization, remote
-code) are accepted at their neutral value and raise `UnsupportedFieldError`
+GPU deployment cbrun cannot be (tensor parallelism, quantization schemes
+other than int8, remote code) are accepted at their neutral value and raise `UnsupportedFieldError`
 naming them otherwise; names vLLM does not have raise TypeError.
 """
 
@@ -30,7 +30,10 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "tensor_parallel_size": ((1,), "cbrun runs one process on one device"),
     "pipeline_parallel_size": ((1,), "cbrun runs one process on one device"),
     "data_parallel_size": ((1,), "cbrun runs one process on one device"),
-    "quantization": ((None,), "cbrun runs dense fp32/bf16/fp16 weights (GGUF files are dequantized at load)"),
+    "quantization": (
+        (None, "int8"),  # "int8" is EngineConfig.quantization: W8A8 on the CPU kernels
+        "cbrun runs dense fp32/bf16/fp16 weights or int8 W8A8 (GGUF files are dequantized at load)",
+    ),
     "trust_remote_code": ((False,), "cbrun drives stock transformers models only"),
     "cpu_offload_gb": ((0, 0.0), "cbrun keeps the weights in memory (sleep(level=2) parks them between rollouts)"),
     "kv_cache_dtype": (("auto",), "the KV cache holds the model's dtype"),
@@ -68,6 +71,8 @@ def engine_config(base: EngineConfig | None, options: dict[str, Any]) -> EngineC
             neutral, why = UNSUPPORTED[name]
             if value not in neutral:
                 raise UnsupportedFieldError(f"LLM({name}={value!r}) is not supported by cbrun ({why})")
+            if name == "quantization" and value is not None:
+                changes["quantization"] = value
         elif name not in ALWAYS_TRUE_OF_CBRUN:
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
     return replace(config, **changes) if changes else config

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 
 import torch
 
+from cbrun.models.compressed import load_w8a8_weights, scale_keys_unreported, w8a8_config, without_quantization
 from cbrun.models.dtype import resolve_device, resolve_dtype
 from cbrun.models.errors import ModelLoadError
 from cbrun.models.gguf import converted_dir, dequantize_config, save_converted
 from cbrun.models.resolve import resolve_spec
 from cbrun.models.support import check_supported
+
+log = logging.getLogger("cbrun.models")
 
 
 def load_model(
@@ -39,11 +44,20 @@ def _load(spec: str, name_or_path: str, extra: dict, dtype: torch.dtype, device:
     kwargs = {"local_files_only": True, **extra}
     config = _attempt(spec, "read its config", AutoConfig.from_pretrained, name_or_path, **kwargs)
     check_supported(config, spec)
+    w8a8 = w8a8_config(config, spec)  # a compressed-tensors W8A8 checkpoint: built dense, its int8 weights read below
+    if w8a8 is not None:
+        config = without_quantization(config)
     model_kwargs = dict(kwargs, config=config, dtype=dtype)
     if "gguf_file" in extra:
         model_kwargs["quantization_config"] = dequantize_config()
     tokenizer = _attempt(spec, "load its tokenizer", AutoTokenizer.from_pretrained, name_or_path, **kwargs)
-    model = _attempt(spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs)
+    with scale_keys_unreported() if w8a8 is not None else contextlib.nullcontext():
+        model = _attempt(spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs)
+    if w8a8 is not None:
+        count = _attempt(spec, "read its int8 weights", load_w8a8_weights, model, name_or_path)
+        log.info(
+            "%s: %d int8 W8A8 linears read from the checkpoint (run them as int8 with --quantization int8)", spec, count
+        )
     model = _text_decoder(model, dtype)
     model.to(device).eval()
     _ensure_special_tokens(model, tokenizer)

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from cbrun.engine.backends.base import KernelRows, TorchBackend, metadata_builder_for
+from cbrun.engine.backends.base import BackendUnavailable, KernelRows, TorchBackend, metadata_builder_for
 from cbrun.engine.backends.cpu.attention_tasks import plan_tasks
 from cbrun.engine.backends.cpu.fused_layers import LayerPlan, install_fused_layers
 from cbrun.engine.backends.cpu.held_weights import HeldWeights
@@ -43,10 +43,11 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
 
-    def __init__(self, kernels: CpuKernels, policy: str = "portable") -> None:
+    def __init__(self, kernels: CpuKernels, policy: str = "portable", quantization: str | None = None) -> None:
         super().__init__()  # the torch layout until install finds the compiled attention applies
         self.kernels = kernels
         self.policy = policy  # which linear methods may serve (method_selector.py)
+        self.quantization = quantization  # "int8": W8A8 for every linear but the output head (int8_linear.py)
         self.attends_rows = False  # whether the compiled attention covers the model (install decides)
         self.linears: dict[torch.nn.Linear, LayerMethod | MemberForward] = {}
         self.fused_layers: list[LayerPlan] = []
@@ -57,10 +58,11 @@ class CpuBackend(TorchBackend):
         """Choose a linear method per weight dtype (after its self-check), give Llama-shaped decoder layers the
         fused forward and every linear layer its layer method, which from then on holds its weight (one copy,
         packed layer by layer as the checkpoint is read); decide whether the compiled attention applies."""
+        head = model.get_output_embeddings() if self.quantization else None
         self.method_choices = [
             choose_linear_method(self.kernels, dtype, shapes, self.policy)
             for dtype in (torch.float32, torch.bfloat16)
-            if (shapes := linear_shapes(model, dtype))
+            if (shapes := linear_shapes(model, dtype, only=head))
         ]
         methods: dict[torch.dtype, LinearMethod] = {
             c.dtype: c.method for c in self.method_choices if c.method is not None
@@ -68,6 +70,8 @@ class CpuBackend(TorchBackend):
         self.held = HeldWeights(model)
         dtype = _dtype_of(model)
         method = methods.get(dtype) if dtype is not None else None
+        if self.quantization == "int8":
+            method = self._install_int8(model, head, methods)
         self.fused_layers = install_fused_layers(model, self.kernels, method, self.held)
         self.linears = install_linear_methods(model, self.kernels, methods, self.held)
         give_back_memory()  # the dropped tensors' heap pages
@@ -76,6 +80,26 @@ class CpuBackend(TorchBackend):
             kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim
         )
         self.metadata_builder = metadata_builder_for(self.plan_rows if self.attends_rows else None)
+
+    def _install_int8(
+        self, model: CausalLM, head: torch.nn.Module | None, methods: dict[torch.dtype, LinearMethod]
+    ) -> LinearMethod:
+        """Give the output head its method in the model's dtype, choose the int8 method (after its self-check) and
+        make it the method of every other linear, fp32 and bf16 alike; returns it."""
+        assert self.held is not None  # made by install first
+        if head is not None:
+            install_linear_methods(head, self.kernels, methods, self.held)  # the head stays in its dtype
+        shapes = sorted(
+            {s for dtype in (torch.float32, torch.bfloat16) for s in linear_shapes(model, dtype, skip=head)},
+            key=lambda s: (s.inputs, s.outputs),
+        )
+        choice = choose_linear_method(self.kernels, torch.int8, shapes, self.policy)
+        if choice.method is None:
+            raise BackendUnavailable(f"int8: {choice.summary()}")
+        self.method_choices.append(choice)
+        methods.clear()
+        methods.update({torch.float32: choice.method, torch.bfloat16: choice.method})
+        return choice.method
 
     def close(self, restore: bool = True) -> None:
         """Give the model its dense weights and its own forwards back (bit for bit, one method at a time), or

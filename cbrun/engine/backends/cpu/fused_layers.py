@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cbrun.engine.backends.cpu.fused_probe import probe, probe_key, register_probe_attention
+from cbrun.engine.backends.cpu.fused_probe import INT8_PROBE_TOLERANCE, probe, probe_key, register_probe_attention
 from cbrun.engine.backends.cpu.held_weights import HeldWeights
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.model_spec import CausalLM
@@ -168,12 +168,13 @@ def install_fused_layers(
         verified = []
     else:
         try:
+            tolerance = INT8_PROBE_TOLERANCE if method.kernel == "int8" else None
             outcomes: dict[tuple, bool] = {}  # one probe per distinct layer: an 8B model's 32 layers probe once
             for layer, plan in plans:
                 key = probe_key(layer, held)
                 if key not in outcomes:
                     fused = functools.partial(_fused_call, kernels=kernels, stock_forward=layer.forward)
-                    outcomes[key] = probe(layer, plan, fused, rotary)
+                    outcomes[key] = probe(layer, plan, fused, rotary, tolerance)
             verified = [(layer, plan) for layer, plan in plans if outcomes[probe_key(layer, held)]]
         finally:
             model.set_attn_implementation(previous)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from cbrun.engine.backends.cpu.int8_linear import PREQUANTIZED
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod
 from cbrun.engine.weights import checked_targets, model_weight_bytes
 
@@ -84,7 +85,10 @@ class HeldWeights:
             if method.owns_weights and weights:
                 for module, member in members:
                     if module.weight.stride() == (0, 0):  # dropped (a kept tied copy is still whole)
-                        module.weight.data = method.weight(member)
+                        dense = method.weight(member)
+                        module.weight.data = dense
+                        if hasattr(dense, PREQUANTIZED):  # an int8 method's weight keeps its int8 form beside it
+                            setattr(module.weight, PREQUANTIZED, getattr(dense, PREQUANTIZED))
             method.release()
         for routed in self.forwards:
             routed.__dict__.pop("forward", None)

@@ -223,6 +223,17 @@ _SIGNATURES = {
     "linear_vec_width": (_INT, []),
     "linear_panel_rows": (_INT, []),
     "apply_token_masks": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _INT]),
+    # int8 linears (linear_int8.c), wrapped by int8_kernels.py
+    "i8_variant_runs": (_INT, [_INT]),
+    "i8_inner_fits": (_INT, [_I64]),
+    "i8_inner_padded": (_I64, [_I64]),
+    "i8_packed_size": (_I64, [_I64, _I64, _INT]),
+    "i8_scratch_bytes": (_I64, [_I64, _I64]),
+    "i8_pack_weight": (_INT, [_P, _I64, _P, _I64, _I64, _INT, _I64, _P, _INT]),
+    "i8_unpack_weight": (_INT, [_P, _I64, _INT, _I64, _P, _I64, _P, _I64, _P, _INT]),
+    "i8_quantize_rows": (_INT, [_P, _I64, _INT, _I64, _I64, _P, _P, _INT]),
+    "i8_linear": (_INT, [_P, _I64, _INT, _P, _I64, _I64, _INT, _P, _P, _P, _I64, _INT, _I64, _P, _P, _INT, _INT]),
+    "i8_block_outputs": (_INT, []),
 }
 _SIGNATURES["paged_attend_bf16"] = _SIGNATURES["paged_attend_f32"]
 _SIGNATURES["paged_attend_bf16dp"] = (_INT, [*_ATTEND_ARGS, _INT])  # + the score variant

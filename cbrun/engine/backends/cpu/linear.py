@@ -24,11 +24,15 @@ from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, 
 from cbrun.engine.backends.cpu.self_check import Shape
 
 
-def linear_shapes(model: torch.nn.Module, dtype: torch.dtype) -> list[Shape]:
-    """The distinct (N, K) of the model's plain CPU linears of `dtype`: what a method's self-check runs at."""
+def linear_shapes(
+    model: torch.nn.Module, dtype: torch.dtype, only: torch.nn.Module | None = None, skip: torch.nn.Module | None = None
+) -> list[Shape]:
+    """The distinct (N, K) of the model's plain CPU linears of `dtype` (only the module `only`, or all but `skip`,
+    when given): what a method's self-check runs at."""
+    modules = [only] if only is not None else [m for m in model.modules() if m is not skip]
     shapes = {
         Shape(m.out_features, m.in_features)
-        for m in model.modules()
+        for m in modules
         if type(m) is torch.nn.Linear and m.weight.dtype == dtype and m.weight.device.type == "cpu"
     }
     return sorted(shapes, key=lambda s: (s.inputs, s.outputs))

@@ -95,6 +95,14 @@ class LinearMethod:
             and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
         )
 
+    def runs_on(self, kernels: CpuKernels) -> bool:
+        """Whether this CPU can run the method's kernel at all (an ISA variant needs its instructions)."""
+        return self.kernel != "dp" or kernels.dp_variant_runs(self.variant)
+
+    def reference(self) -> LinearMethod | None:
+        """The plain-C method this one must equal bit for bit (its self-check compares them), if any."""
+        return DP_SCALAR if self.kernel == "dp" and self.variant != "scalar" else None
+
     def make(
         self,
         kernels: CpuKernels,

@@ -9,6 +9,10 @@ Policies (EngineConfig.kernels, `--kernels`):
             invariance probe on this CPU. Still batch-invariant here; its bits
             differ from other CPUs'.
 
+int8 (EngineConfig.quantization): one W8A8 method serves every linear but the
+output head, the first of AMX-INT8, AVX512-VNNI, AVX2 and the plain-C
+reference that passes (all give the same bits: int8_linear.py).
+
 A candidate that fails its check is skipped with one log line and the next
 one serves; the results go to `cbrun info` and the run summary.
 """
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbrun.engine.backends.cpu.int8_linear import INT8_AMX, INT8_AVX2, INT8_SCALAR, INT8_VNNI
 from cbrun.engine.backends.cpu.kernels import CpuKernels
 from cbrun.engine.backends.cpu.linear_methods import DP_ISA, DP_SCALAR, DP_TWIN, F32, ONEDNN_B64, LinearMethod
 from cbrun.engine.backends.cpu.self_check import CheckResult, Shape, check_method
@@ -32,6 +37,8 @@ _CANDIDATES: dict[tuple[str, torch.dtype], list[LinearMethod]] = {
     ("portable", torch.bfloat16): [DP_ISA, DP_TWIN, DP_SCALAR],
     ("fastest", torch.float32): [F32],
     ("fastest", torch.bfloat16): [DP_ISA, ONEDNN_B64, DP_TWIN, DP_SCALAR],
+    ("portable", torch.int8): [INT8_AMX, INT8_VNNI, INT8_AVX2, INT8_SCALAR],  # W8A8, from fp32 or bf16 weights
+    ("fastest", torch.int8): [INT8_AMX, INT8_VNNI, INT8_AVX2, INT8_SCALAR],
 }
 
 
@@ -47,7 +54,8 @@ class MethodChoice:
         """ "bfloat16 dpbf16-isa (same bits on every CPU)": the run summary's line."""
         name = self.method.name if self.method else "none"
         bits = "same bits on every CPU" if self.method and self.method.portable else "this CPU only"
-        return f"{str(self.dtype).removeprefix('torch.')} {name} ({bits})"
+        label = "int8 W8A8 (every linear but the head)" if self.dtype == torch.int8 else str(self.dtype)[6:]
+        return f"{label} {name} ({bits})"
 
     def summary(self) -> str:
         name = str(self.dtype).removeprefix("torch.")
@@ -77,7 +85,7 @@ def choose_linear_method(
     candidates = candidates if candidates is not None else _CANDIDATES.get((policy, dtype), [])
     choice = MethodChoice(dtype, None)
     timed = policy == "fastest"
-    racing = [m for m in candidates if timed and m not in (DP_TWIN, DP_SCALAR)]
+    racing = [m for m in candidates if timed and m not in (DP_TWIN, DP_SCALAR, INT8_SCALAR)]
     for method in racing:  # "fastest": every fast candidate runs its check and trial
         choice.checks.append(check_method(kernels, method, shapes, timed=True, cache_key=kernels.build_name))
     passed = [(c.trial_ms, m) for c, m in zip(choice.checks, racing) if c.passed]

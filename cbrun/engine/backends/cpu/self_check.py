@@ -8,9 +8,9 @@ kernels block over rows and K, never over outputs), on random probe weights:
 
 - invariance: each probe row gives bitwise the same outputs alone (one row)
   as inside batches of several sizes at several positions;
-- twin equality (pair-dot variants): its outputs equal the plain-C reference
-  (DP_SCALAR) bitwise, on typical values and on values whose partial sums are
-  denormal (where flushing shows).
+- twin equality (pair-dot and int8 variants): its outputs equal its plain-C
+  reference (DP_SCALAR, INT8_SCALAR) bitwise, on typical values and on values
+  whose partial sums are denormal (where flushing shows).
 
 The outcome is cached per method and shape under a key of the kernel build
 (sources, flags, compiler, CPU flags), torch's version and the thread count,
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from cbrun.engine.backends.cpu.kernels import CpuKernels, KernelError
-from cbrun.engine.backends.cpu.linear_methods import DP_SCALAR, LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
 
 log = logging.getLogger("cbrun.engine")
 
@@ -94,7 +94,7 @@ def check_method(
 
 def _run(kernels: CpuKernels, method: LinearMethod, shapes: list[Shape], timed: bool) -> tuple[str, float]:
     """'ok ...' or the first failure, and the trial time in ms."""
-    if method.kernel == "dp" and not kernels.dp_variant_runs(method.variant):
+    if not method.runs_on(kernels):
         return f"this CPU cannot run {method.name}", 0.0
     trial_ms = 0.0
     generator = torch.Generator().manual_seed(1234)
@@ -120,9 +120,7 @@ def _run(kernels: CpuKernels, method: LinearMethod, shapes: list[Shape], timed: 
         trial_ms += _time_call(
             layer, torch.randn(_TRIAL_ROWS, shape.inputs, generator=generator).to(method.weight_dtype)
         )
-    checks = "invariance" + (
-        " and equality with the plain-C reference" if method.kernel == "dp" and method.variant != "scalar" else ""
-    )
+    checks = "invariance" + (" and equality with the plain-C reference" if method.reference() is not None else "")
     return f"ok: {checks} at {len(shapes)} shapes", trial_ms
 
 
@@ -149,8 +147,8 @@ def _probe_layers(
     biases = [torch.randn(shape.outputs, generator=generator).to(method.weight_dtype) for _ in range(count)]
     layer = method.make(kernels, weights, biases, gated=shape.gated)
     twin = None
-    if reference and method.kernel == "dp" and method.variant != "scalar":
-        twin = DP_SCALAR.make(kernels, weights, biases, gated=shape.gated)
+    if reference and (plain := method.reference()) is not None:
+        twin = plain.make(kernels, weights, biases, gated=shape.gated)
     return layer, twin
 
 
