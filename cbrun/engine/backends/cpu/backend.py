@@ -43,10 +43,11 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
 
-    def __init__(self, kernels: CpuKernels, policy: str = "portable") -> None:
+    def __init__(self, kernels: CpuKernels, policy: str = "portable", keep_dense: bool = False) -> None:
         super().__init__()  # the torch layout until install finds the compiled attention applies
         self.kernels = kernels
         self.policy = policy  # which linear methods may serve (method_selector.py)
+        self.keep_dense = keep_dense  # the methods pack copies; the model keeps its own tensors (HeldWeights)
         self.attends_rows = False  # whether the compiled attention covers the model (install decides)
         self.linears: dict[torch.nn.Linear, LayerMethod | MemberForward] = {}
         self.fused_layers: list[LayerPlan] = []
@@ -65,7 +66,7 @@ class CpuBackend(TorchBackend):
         methods: dict[torch.dtype, LinearMethod] = {
             c.dtype: c.method for c in self.method_choices if c.method is not None
         }
-        self.held = HeldWeights(model)
+        self.held = HeldWeights(model, self.keep_dense)
         dtype = _dtype_of(model)
         method = methods.get(dtype) if dtype is not None else None
         self.fused_layers = install_fused_layers(model, self.kernels, method, self.held)

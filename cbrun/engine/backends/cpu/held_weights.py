@@ -37,10 +37,15 @@ _MADV_DONTNEED = 4
 
 
 class HeldWeights:
-    """The model's linear modules whose weights a layer method holds, and what was dropped for them."""
+    """The model's linear modules whose weights a layer method holds, and what was dropped for them.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    keep_dense: the model's tensors stay as they are (a trainer's parameters, which its optimizer updates):
+    the methods pack copies, nothing is dropped and no page is given back (cbrun/training).
+    """
+
+    def __init__(self, model: torch.nn.Module, keep_dense: bool = False) -> None:
         self.model = model
+        self.keep_dense = keep_dense
         self.holders: dict[torch.nn.Linear, tuple[LayerMethod, int]] = {}  # module -> (method, member)
         self.forwards: dict[torch.nn.Module, Any] = {}  # modules whose forward this install replaced, and by what
         self._users = _parameter_users(model)  # id(parameter) -> the modules that use it
@@ -55,7 +60,7 @@ class HeldWeights:
         """`module`'s weight is member `member` of `method` from now on: where the method keeps its own copy, the
         module's dense tensor is dropped (a tied plain embedding then reads its rows from the method)."""
         self.holders[module] = (method, member)
-        if not method.owns_weights:
+        if not method.owns_weights or self.keep_dense:
             return
         weight = module.weight
         others = [m for m in self._users.get(id(weight), []) if m is not module]

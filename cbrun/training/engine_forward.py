@@ -1,0 +1,182 @@
+"""The engine's forward on a trainer's model: each token's logprob with the rollout's bits.
+
+`score` gives bitwise the logprobs `generate` recorded, because both take
+one path: the CPU backend's layer methods (f32, or the dpbf16 pair chain
+through its ISA variant or portable twin), the fused decoder layers (norms,
+rotary and the residual stream in fp32), the compiled paged attention, the
+head projected to fp32 logits and the sampler's normalizer. Every one of
+them gives a row the same bits whatever else is in the call. So a trainer
+gets the rollout's numbers by running that same path over its sequences:
+
+    sequences [a0 a1 a2 a3] [b0 b1]          (prompt + completion, any lengths)
+    flat      [a0 a1 a2 a3 b0 b1]            (1, T) as an engine step lays a prefill out
+    positions [ 0  1  2  3  0  1]
+    pages     a: blocks 0..     b: its own blocks after a's (a scratch pool, page size as the engine's)
+    scored    [a0 a1 a2 | b0]   -> logprob of a1 a2 a3 | b1   (each position predicts the next token)
+
+`EngineForward` installs the CPU backend on the trainer's model once, in a
+lending mode (`keep_dense`): the layer methods hold copies in their kernels'
+layout and the model keeps its own parameters, which its optimizer updates.
+Outside a call the model's own forwards are back in place, so the trainer's
+ordinary forward and backward run stock transformers. Each call first packs
+the current parameters again (the engine's `update_weights` path), so what
+it computes is what an engine holding these weights computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from cbrun.engine.backends.cpu.backend import CpuBackend
+from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.metadata import SequenceRows
+from cbrun.engine.cache.kv_store import KVStore
+from cbrun.engine.model_spec import CausalLM, read_model_spec
+from cbrun.engine.step.attention import register as register_attention
+from cbrun.engine.step.batch import GroupLayout, PagedBatch
+from cbrun.engine.step.model_runner import ModelRunner
+
+DEFAULT_PAGE_SIZE = 16  # the engine's default (EngineConfig.page_size): attention splits its key segments at pages
+
+
+class EngineForward:
+    """Teacher-forced logprobs of token sequences on `model`, computed exactly as the engine computes them.
+
+    `model` stays the caller's: its parameters are never dropped or moved. `page_size` must be the
+    engine's (the attention's key segments split at page boundaries); `kernels` the engine's linear-method
+    policy ("portable", the default, gives the same bits on every x86 CPU).
+    """
+
+    def __init__(self, model: CausalLM, page_size: int = DEFAULT_PAGE_SIZE, kernels: str = "portable") -> None:
+        device = next(model.parameters()).device
+        if device.type != "cpu":
+            raise ValueError(f"the engine's arithmetic runs on the CPU; this model is on {device}")
+        compiled = load_cpu_kernels()
+        if compiled is None:
+            raise RuntimeError("the compiled CPU kernels are unavailable (no C compiler, or CBRUN_KERNELS=torch)")
+        self.model = model
+        self.page_size = page_size
+        self.spec = read_model_spec(model, None)
+        self.attention = register_attention()
+        self.backend = CpuBackend(compiled, kernels, keep_dense=True)
+        self.backend.install(model, self.spec)
+        assert self.backend.held is not None  # installed
+        self.held = self.backend.held
+        self.routes = dict(self.held.forwards)  # module -> the forward the engine gives it
+        self._route(False)
+        if not self.backend.attends_rows:
+            self.close()
+            raise ValueError(
+                f"{model.config.model_type}: the compiled attention does not cover this model (soft-capped scores "
+                "or its head shape), so the engine itself is not batch-invariant on it"
+            )
+        self.runner = ModelRunner(model, self.backend)
+
+    def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """For each sequence of n >= 1 token ids, fp32 [n - 1]: the logprob of tokens 1..n-1, each given
+        the tokens before it, at temperature 1, bit for bit what `generate` reports and `score` gives."""
+        lengths = [len(s) for s in sequences]
+        if any(n < 1 for n in lengths):
+            raise ValueError("every sequence needs at least one token")
+        targets = torch.tensor([t for s in sequences for t in list(s)[1:]], dtype=torch.long)  # [sum n - 1]
+        values: list[float] = []
+        with self.engine_arithmetic():
+            batch = self._batch(sequences)
+            step = self.runner.forward(batch)
+            for start, logits in self.runner.score_chunks(step):  # [c, V] fp32, as score's chunks
+                chunk = targets[start : start + logits.shape[0]]
+                values.extend(self.backend.score(logits, chunk, 0).logprobs)
+        flat = torch.tensor(values, dtype=torch.float32)  # fp32 -> Python float -> fp32: exact
+        return list(flat.split([n - 1 for n in lengths]))
+
+    @contextmanager
+    def engine_arithmetic(self) -> Iterator[None]:
+        """The model computes as the engine does inside: the current parameters packed again, the engine's
+        forwards routed in, its attention switched on, eval mode (no dropout); all given back on exit."""
+        model = self.model
+        training = model.training
+        previous = model.config._attn_implementation
+        self._refresh()
+        self._route(True)
+        model.eval()
+        model.set_attn_implementation(self.attention)
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(previous)
+            self._route(False)
+            model.train(training)
+
+    def close(self) -> None:
+        """Free the packed copies; the model is left as it came."""
+        self._route(True)  # the backend's restore takes the routes off itself
+        self.backend.close()
+
+    def _refresh(self) -> None:
+        """Pack the model's current weights into the methods that keep copies (linears read in place need
+        nothing), and read the fused layers' norms again: what an engine's `update_weights` does."""
+        for module, (method, member) in self.held.holders.items():
+            if method.owns_weights:
+                bias = module.bias.detach() if module.bias is not None else None
+                method.load(member, weight=module.weight.detach(), bias=bias)
+            elif method.weight(member).data_ptr() != module.weight.data_ptr():
+                raise RuntimeError(
+                    "a linear's weight tensor was replaced since the engine's methods were made; make a new "
+                    "EngineForward (update parameters in place, as optimizers and load_state_dict do)"
+                )
+        for plan in self.backend.fused_layers:
+            plan.refresh_norms()
+
+    def _route(self, on: bool) -> None:
+        for module, forward in self.routes.items():
+            if on:
+                module.forward = forward
+            else:
+                module.__dict__.pop("forward", None)
+
+    def _batch(self, sequences: Sequence[Sequence[int]]) -> PagedBatch:
+        """Every sequence a fresh prefill from position 0 in its own pages of a scratch pool; every position
+        but each sequence's last kept for scoring."""
+        page = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        score_rows: list[int] = []
+        seqs: list[SequenceRows] = []
+        blocks = 0
+        for sequence in sequences:
+            count = len(sequence)
+            table = list(range(blocks, blocks + -(-count // page)))
+            blocks += len(table)
+            seqs.append(SequenceRows(len(ids), 0, count, table, 0))
+            score_rows.extend(range(len(ids), len(ids) + count - 1))
+            slots.extend(table[p // page] * page + p % page for p in range(count))
+            ids.extend(int(t) for t in sequence)
+            positions.extend(range(count))
+        store = KVStore(self.spec.kv, blocks, page, torch.device("cpu"))
+        groups = {}
+        for group in sorted(set(self.spec.layer_groups)):
+            window = self.spec.sliding_window if group == "sliding" else None
+            rows, prefills = self.backend.metadata_builder.build(seqs, page, window)
+            groups[group] = GroupLayout(torch.tensor(slots, dtype=torch.long), rows, prefills)
+        return PagedBatch(
+            input_ids=torch.tensor([ids], dtype=torch.long),
+            position_ids=torch.tensor([positions], dtype=torch.long),
+            logits_indices=torch.zeros(0, dtype=torch.long),
+            sampled=[],
+            num_decode=0,
+            num_rows=len(ids),
+            groups=groups,
+            store=store,
+            layer_groups=self.spec.layer_groups,
+            score_indices=torch.tensor(score_rows, dtype=torch.long),
+        )
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (what the engine computes in)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
