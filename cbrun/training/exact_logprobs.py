@@ -57,7 +57,7 @@ class ExactLogprobs:
         kernels: str = "portable",
     ) -> None:
         own = model_dtype(model)
-        wanted = _DTYPES.get(dtype, None) if isinstance(dtype, str) else dtype
+        wanted = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
         if isinstance(dtype, str) and wanted is None:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         if wanted is not None and wanted != own:
