@@ -1,5 +1,6 @@
 """The RL examples run (issues 27, 34): examples/rl_loop.py on a tiny model in fp32 and bf16, exactly
-on-policy (and on the real one in the slow tier), and the shell pipeline `cbrun generate ... | python examples/reward.py`."""
+on-policy (and on the real one in the slow tier), and the shell pipeline
+`cbrun generate ... | python examples/reward.py`."""
 
 from __future__ import annotations
 

@@ -153,7 +153,7 @@ def test_the_model_stays_the_callers_outside_a_call(tiny_llama_dir, dtype):
 
 def test_a_model_in_another_dtype_than_the_engines_is_refused(tiny_llama_dir):
     trainer, _ = load_model(str(tiny_llama_dir), dtype="float32")
-    with pytest.raises(ValueError, match="load the trainer's model in torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"load the trainer's model in torch\.bfloat16"):
         ExactLogprobs(trainer, "bfloat16")
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         ExactLogprobs(trainer, "float16")
