@@ -117,17 +117,12 @@ class EngineForward:
         self.backend.close()
 
     def _refresh(self) -> None:
-        """Pack the model's current weights into the methods that keep copies (linears read in place need
-        nothing), and read the fused layers' norms again: what an engine's `update_weights` does."""
+        """Pack the model's current weights into the methods that keep copies (a method that reads in place
+        takes the parameter's tensor itself), and read the fused layers' norms again: what an engine's
+        `update_weights` does."""
         for module, (method, member) in self.held.holders.items():
-            if method.owns_weights:
-                bias = module.bias.detach() if module.bias is not None else None
-                method.load(member, weight=module.weight.detach(), bias=bias)
-            elif method.weight(member).data_ptr() != module.weight.data_ptr():
-                raise RuntimeError(
-                    "a linear's weight tensor was replaced since the engine's methods were made; make a new "
-                    "EngineForward (update parameters in place, as optimizers and load_state_dict do)"
-                )
+            bias = module.bias.detach() if module.bias is not None else None
+            method.load(member, weight=module.weight.detach(), bias=bias)  # in-place methods: the tensor, no copy
         for plan in self.backend.fused_layers:
             plan.refresh_norms()
 
