@@ -6,13 +6,14 @@
 For each model (random weights at a real shape, cbrun/bench/random_model.py; built and saved once) it
 loads two copies, an engine's and a trainer's, and times:
 
-- `read once`: reading every tensor of the trainer's state dict from memory once (a max over its bytes,
-  the best of the repeats): the floor any sync pays;
+- `read once`: reading every tensor of the trainer's state dict from memory once (a max over its bytes
+  as integer words): the floor any sync pays;
 - `update (every weight changed)`: `engine.update_weights(trainer.state_dict())` after every parameter
   of the trainer was changed in place (negated), as an optimizer step changes them;
 - `update (nothing changed)`: the same call again with nothing changed.
 
-and prints each with its ratio to `read once` (the issue's target: the changed update within 2x). The
+each the best of the repeats (interleaved, so that a busy machine slows each alike), and prints each
+with its ratio to `read once` (the issue's target: the changed update within 2x). The
 state dict's tensors share the trainer's memory, as an RL trainer's do; where the engine can read a
 tensor as it is (same dtype and layout) it takes it instead of copying it, and bf16 linear weights are
 packed into the pair-dot layout, once per tensor given.
@@ -42,11 +43,13 @@ def unique_tensors(state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 
 
 def read_once(tensors: list[torch.Tensor]) -> float:
-    """Seconds to read every byte of `tensors` once: a max over each tensor's bytes (viewed as fp32 words)."""
+    """Seconds to read every byte of `tensors` once: a max over each tensor's bytes as integer words (no float
+    slow paths), on torch's threads."""
     started = time.perf_counter()
     for tensor in tensors:
         flat = tensor.reshape(-1)
-        words = flat.view(torch.float32) if flat.numel() * flat.element_size() % 4 == 0 else flat
+        size = flat.numel() * flat.element_size()
+        words = flat.view(torch.int32 if size % 4 == 0 else torch.int16 if size % 2 == 0 else torch.uint8)
         words.amax()
     return time.perf_counter() - started
 
@@ -59,11 +62,11 @@ def measure(spec: str, dtype: str, repeats: int) -> None:
     tensors = unique_tensors(state)
     size = sum(t.numel() * t.element_size() for t in tensors)
     read_once(tensors)  # warm
-    read = min(read_once(tensors) for _ in range(repeats))
     with Engine(model, tokenizer, EngineConfig(num_blocks=16)) as engine:
         engine.update_weights(state)  # the first sync: the engine takes what it can share
-        changed, same = [], []
-        for _ in range(repeats):
+        reads, changed, same = [], [], []
+        for _ in range(repeats):  # interleaved, so that a busy machine slows each measure alike
+            reads.append(read_once(tensors))
             with torch.no_grad():
                 for parameter in trainer.parameters():
                     parameter.neg_()  # every weight changes, in place (its memory stays the trainer's)
@@ -74,7 +77,7 @@ def measure(spec: str, dtype: str, repeats: int) -> None:
             engine.update_weights(state)
             same.append(time.perf_counter() - started)
         held = engine.weight_bytes()
-    best, median, unchanged = min(changed), statistics.median(changed), min(same)
+    read, best, median, unchanged = min(reads), min(changed), statistics.median(changed), min(same)
     print(
         f"{spec} {dtype}: {size / 2**30:.2f} GiB of weights ({held / 2**30:.2f} GiB held by the engine), "
         f"{torch.get_num_threads()} threads; read once {read:.3f}s; "
