@@ -267,6 +267,23 @@ static void dp_pack_row(const uint16_t* src, int64_t K, int64_t from, uint16_t* 
 #endif
 typedef uint32_t dp_words16 __attribute__((vector_size(64), aligned(4), may_alias));
 
+/* One whole 64-byte line of the pack: streamed past the caches where the CPU can (AVX-512, an aligned line: no
+ * read of the line's old contents, and an update's packs would only push the model's other weights out of the
+ * caches), else a plain store. dp_pack_weight fences the streamed lines before it returns. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline void dp_store_line(uint16_t* line, v16u words) {
+  if ((uintptr_t)line % 64 == 0)
+    _mm512_stream_si512((void*)line, (__m512i)words);
+  else
+    *(dp_words16*)line = words;
+}
+static inline void dp_fence_lines(void) { _mm_sfence(); }
+#else
+static inline void dp_store_line(uint16_t* line, v16u words) { *(dp_words16*)line = words; }
+static inline void dp_fence_lines(void) {}
+#endif
+
 /* Stage k of a 16 x 16 transpose of words: rows i and i + s (s = 2^k, bit k of i clear) exchange bit k of the
  * word index with bit k of the row index (DP_LOk gives row i, DP_HIk row i + s, from their 32 words). */
 #define DP_LO0 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
@@ -297,7 +314,7 @@ static int64_t dp_pack_16_rows(const uint16_t* src, int64_t ldw, int64_t K, uint
     DP_STAGE(t, 2, DP_LO1, DP_HI1)
     DP_STAGE(t, 4, DP_LO2, DP_HI2)
     DP_STAGE(t, 8, DP_LO3, DP_HI3)
-    for (int c = 0; c < 16; ++c) *(dp_words16*)(lanes + (p + c) * 2 * DP_BLOCK) = t[c];
+    for (int c = 0; c < 16; ++c) dp_store_line(lanes + (p + c) * 2 * DP_BLOCK, t[c]);
   }
   return whole;
 }
@@ -312,7 +329,8 @@ int dp_pack_weight(const uint16_t* w, int64_t ldw, int64_t rows, int64_t K, int 
   if (rows < 1 || K < 1 || first < 0 || ldw < K || role < DP_PLAIN || role > DP_UP) return DP_BAD_ARGS;
   const int64_t Kp = (K + 1) / 2 * 2;
   const int64_t b0 = dp_block_of(first, role), b1 = dp_block_of(first + rows - 1, role) + 1;
-  _Pragma("omp parallel for num_threads(threads) schedule(static)")
+  _Pragma("omp parallel num_threads(threads)") {
+  _Pragma("omp for schedule(static)")
   for (int64_t b = b0; b < b1; ++b) {
     const int per_block = role == DP_PLAIN ? DP_BLOCK : DP_BLOCK / 2;
     const int64_t n0 = b * per_block < first ? first : b * per_block;
@@ -330,6 +348,8 @@ int dp_pack_weight(const uint16_t* w, int64_t ldw, int64_t rows, int64_t K, int 
         n += 1;
       }
     }
+  }
+  dp_fence_lines(); /* this thread's streamed lines are in memory before the region's end lets anyone read them */
   }
   return 0;
 }
