@@ -17,6 +17,8 @@ gets the rollout's numbers by running that same path over its sequences:
 `EngineForward` installs the CPU backend on the trainer's model once, in a
 lending mode (`keep_dense`): the layer methods hold copies in their kernels'
 layout and the model keeps its own parameters, which its optimizer updates.
+(A trainer that keeps fp32 weights for a bf16 engine gets a private bf16
+copy instead, loaded from its weights on every call as the engine loads them.)
 Outside a call the model's own forwards are back in place, so the trainer's
 ordinary forward and backward run stock transformers. Each call first packs
 the current parameters again (the engine's `update_weights` path), so what
@@ -25,6 +27,7 @@ it computes is what an engine holding these weights computes.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -46,24 +49,35 @@ DEFAULT_PAGE_SIZE = 16  # the engine's default (EngineConfig.page_size): attenti
 class EngineForward:
     """Teacher-forced logprobs of token sequences on `model`, computed exactly as the engine computes them.
 
-    `model` stays the caller's: its parameters are never dropped or moved. `page_size` must be the
-    engine's (the attention's key segments split at page boundaries); `kernels` the engine's linear-method
-    policy ("portable", the default, gives the same bits on every x86 CPU).
+    `model` stays the caller's: its parameters are never dropped or moved. `dtype`: the engine's, when it
+    is not the model's (fp32 master weights for a bf16 engine): the arithmetic then runs on a private copy
+    in that dtype, loaded from the model's current weights on every call through the engine's own
+    `update_weights` path (the same rounding). `page_size` must be the engine's (the attention's key segments
+    split at page boundaries); `kernels` the engine's linear-method policy ("portable", the default, gives the
+    same bits on every x86 CPU).
     """
 
-    def __init__(self, model: CausalLM, page_size: int = DEFAULT_PAGE_SIZE, kernels: str = "portable") -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        kernels: str = "portable",
+        dtype: torch.dtype | None = None,
+    ) -> None:
         device = next(model.parameters()).device
         if device.type != "cpu":
             raise ValueError(f"the engine's arithmetic runs on the CPU; this model is on {device}")
         compiled = load_cpu_kernels()
         if compiled is None:
             raise RuntimeError("the compiled CPU kernels are unavailable (no C compiler, or CBRUN_KERNELS=torch)")
-        self.model = model
+        self.source = model  # the trainer's model, whose current weights every call computes with
+        self.lending = dtype is None or dtype == model_dtype(model)  # else a private copy in the engine's dtype
+        self.model = model if dtype is None or self.lending else _copy_in(model, dtype)
         self.page_size = page_size
-        self.spec = read_model_spec(model, None)
+        self.spec = read_model_spec(self.model, None)
         self.attention = register_attention()
-        self.backend = CpuBackend(compiled, kernels, keep_dense=True)
-        self.backend.install(model, self.spec)
+        self.backend = CpuBackend(compiled, kernels, keep_dense=self.lending)
+        self.backend.install(self.model, self.spec)
         assert self.backend.held is not None  # installed
         self.held = self.backend.held
         self.routes = dict(self.held.forwards)  # module -> the forward the engine gives it
@@ -74,7 +88,7 @@ class EngineForward:
                 f"{model.config.model_type}: the compiled attention does not cover this model (soft-capped scores "
                 "or its head shape), so the engine itself is not batch-invariant on it"
             )
-        self.runner = ModelRunner(model, self.backend)
+        self.runner = ModelRunner(self.model, self.backend)
 
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """For each sequence of n >= 1 token ids, fp32 [n - 1]: the logprob of tokens 1..n-1, each given
@@ -117,9 +131,13 @@ class EngineForward:
         self.backend.close()
 
     def _refresh(self) -> None:
-        """Pack the model's current weights into the methods that keep copies (a method that reads in place
-        takes the parameter's tensor itself), and read the fused layers' norms again: what an engine's
-        `update_weights` does."""
+        """Give the methods the model's current weights, as an engine's `update_weights` does: lending, each
+        linear packed again from its parameter (a method that reads in place takes the parameter's tensor
+        itself) and the fused layers' norms read again; with a copy in the engine's dtype, the trainer's whole
+        state dict loaded into it through the backend (rounded as the engine rounds it)."""
+        if not self.lending:
+            self.backend.load_weights(self.model, self.source.state_dict())
+            return
         for module, (method, member) in self.held.holders.items():
             bias = module.bias.detach() if module.bias is not None else None
             method.load(member, weight=module.weight.detach(), bias=bias)  # in-place methods: the tensor, no copy
@@ -175,3 +193,23 @@ class EngineForward:
 def model_dtype(model: Any) -> torch.dtype:
     """The dtype of the model's first floating-point parameter (what the engine computes in)."""
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def _copy_in(model: CausalLM, dtype: torch.dtype) -> CausalLM:
+    """`model`'s architecture in `dtype`, holding its weights rounded to `dtype` and its buffers as they are (the
+    rotary tables stay fp32, as in a model loaded in `dtype`); built on the meta device, so the model's own
+    tensors are never copied whole in their dtype. Its config is its own (the attention is switched on it)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        copy_ = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+    copy_.to_empty(device=torch.device("cpu"))
+    copy_.tie_weights()  # a tied head is one tensor again (to_empty made two)
+    copy_.requires_grad_(False)
+    copy_.eval()
+    for name, buffer in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        copy_.get_submodule(owner)._buffers[leaf] = buffer.detach().clone()
+    with torch.no_grad():
+        copy_.load_state_dict(model.state_dict())
+    return copy_

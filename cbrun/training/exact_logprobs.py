@@ -43,10 +43,12 @@ class TokenLogprobs(NamedTuple):
 class ExactLogprobs:
     """`model`'s token logprobs with the engine's arithmetic, batch-independent, with stock gradients.
 
-    `dtype` names the engine's dtype (float32 or bfloat16) and must be the
-    model's: a trainer that keeps fp32 weights for a bf16 engine loads its
-    copy in bf16 (the engine's bits are those of bf16 weights). `page_size`
-    and `kernels` are the engine's (`LLM(..., block_size=..)`, `--kernels`).
+    `dtype` names the engine's dtype (float32 or bfloat16; default: the
+    model's). A model in another dtype (fp32 master weights for a bf16
+    engine) keeps its own for the gradients; the values come from a private
+    copy in the engine's dtype, loaded from the model's weights on every call
+    as the engine's `update_weights` loads them. `page_size` and `kernels`
+    are the engine's (`LLM(..., block_size=..)`, `--kernels`).
     """
 
     def __init__(
@@ -56,19 +58,13 @@ class ExactLogprobs:
         page_size: int = DEFAULT_PAGE_SIZE,
         kernels: str = "portable",
     ) -> None:
-        own = model_dtype(model)
         wanted = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-        if isinstance(dtype, str) and wanted is None:
+        if (wanted is None and dtype is not None) or wanted not in (None, torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-        if wanted is not None and wanted != own:
-            raise ValueError(
-                f"the model's weights are {own}, the engine's {wanted}: load the trainer's model in {wanted} "
-                "(the engine's bits are those of its own dtype's weights)"
-            )
-        if own not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"the engine computes float32 or bfloat16 models, not {own}")
+        if model_dtype(model) not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the engine computes float32 or bfloat16 models, not {model_dtype(model)}")
         self.model = model
-        self.engine = EngineForward(model, page_size, kernels)
+        self.engine = EngineForward(model, page_size, kernels, wanted)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TokenLogprobs:
         """input_ids [B, L] (left or right padded; each row's tokens one run where attention_mask is 1) ->

@@ -151,9 +151,33 @@ def test_the_model_stays_the_callers_outside_a_call(tiny_llama_dir, dtype):
     assert all("forward" not in module.__dict__ for module in trainer.modules())
 
 
-def test_a_model_in_another_dtype_than_the_engines_is_refused(tiny_llama_dir):
+def test_fp32_master_weights_give_a_bf16_engines_bits_and_get_the_gradients(tiny_llama_dir):
+    """A trainer that keeps fp32 weights for a bf16 engine: the values are the bf16 engine's (synced from the
+    fp32 state dict), the gradients reach the fp32 parameters."""
+    master, _ = load_model(str(tiny_llama_dir), dtype="float32")
+    step_in_place = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in master.parameters():  # the master moved past the checkpoint: the sync rounds it
+            parameter.add_(0.01 * torch.randn(parameter.shape, generator=step_in_place))
+    exact = ExactLogprobs(master, "bfloat16")
+    model, tokenizer = load_model(str(tiny_llama_dir), dtype="bfloat16")
+    with Engine(model, tokenizer, EngineConfig()) as engine:
+        engine.update_weights(master.state_dict())
+        scored = engine.score_batch(PROMPTS[:2], [[PROMPTS[3][:30]], [PROMPTS[2]]])
+    rows = [PROMPTS[0] + PROMPTS[3][:30], PROMPTS[1] + PROMPTS[2]]
+    ids, mask, offsets = padded(rows, left=[True, False])
+    out = exact(ids, mask)
+    for b, (prompt, completion) in enumerate(zip(PROMPTS[:2], (PROMPTS[3][:30], PROMPTS[2]))):
+        first = offsets[b] + len(prompt)
+        assert out.logprobs[b, first : first + len(completion)].tolist() == scored[b].logprobs
+    out.logprobs.sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in master.parameters())
+    assert all(p.dtype == torch.float32 and p.stride() != (0, 0) for p in master.parameters())  # untouched
+
+
+def test_dtypes_the_engine_does_not_compute_are_refused(tiny_llama_dir):
     trainer, _ = load_model(str(tiny_llama_dir), dtype="float32")
-    with pytest.raises(ValueError, match=r"load the trainer's model in torch\.bfloat16"):
-        ExactLogprobs(trainer, "bfloat16")
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         ExactLogprobs(trainer, "float16")
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ExactLogprobs(trainer.to(torch.float16))
