@@ -94,6 +94,8 @@ class EngineForward:
         """For each sequence of n >= 1 token ids, fp32 [n - 1]: the logprob of tokens 1..n-1, each given
         the tokens before it, at temperature 1, bit for bit what `generate` reports and `score` gives."""
         lengths = [len(s) for s in sequences]
+        if not lengths:
+            return []
         if any(n < 1 for n in lengths):
             raise ValueError("every sequence needs at least one token")
         targets = torch.tensor([t for s in sequences for t in list(s)[1:]], dtype=torch.long)  # [sum n - 1]
@@ -126,9 +128,9 @@ class EngineForward:
             model.train(training)
 
     def close(self) -> None:
-        """Free the packed copies; the model is left as it came."""
+        """Free the packed copies (and the private copy in the engine's dtype); the model is left as it came."""
         self._route(True)  # the backend's restore takes the routes off itself
-        self.backend.close()
+        self.backend.close(restore=self.lending)  # a private copy is dropped whole: nothing to give back
 
     def _refresh(self) -> None:
         """Give the methods the model's current weights, as an engine's `update_weights` does: lending, each
