@@ -1,14 +1,18 @@
 """A small GRPO-style RL loop on cbrun's vLLM-compatible API: sample, reward, train, update weights in place.
 
     python examples/rl_loop.py                      # a tiny random model, built here (seconds; what CI runs)
+    python examples/rl_loop.py --dtype bfloat16
     python examples/rl_loop.py --model smollm2-135m --iterations 3
 
 Each iteration: sample n = 8 completions per prompt with logprobs, score them with a reward in plain
-Python, take a few optimizer steps with torch on the trainer's copy of the same model (the engine's
-memory is given back meanwhile: `llm.sleep()`), then `llm.update_weights(trainer.state_dict())`.
-It asserts that the engine's logprobs agree with the trainer's own forward (within --tolerance) and,
-at the end, that the updated engine's tokens and logprobs equal a fresh engine's, loaded from the
-trained weights, bit for bit.
+Python, take a few PPO-clipped optimizer steps with torch on the trainer's copy of the same model (the
+engine's memory is given back meanwhile: `llm.sleep()`), then `llm.update_weights(trainer.state_dict())`.
+The trainer's logprobs come from `cbrun.training.ExactLogprobs`: the engine's arithmetic on the trainer's
+weights, with the stock model's gradients. So before the first optimizer step of an iteration the
+policy ratio exp(trainer - rollout) is exactly 1 on every token, and each iteration prints
+`on-policy max |ratio - 1|: 0.0`, in fp32 and bf16. At the end it asserts that the trainer gives the
+updated engine's samples their rollout logprobs bit for bit, and that the updated engine's tokens and
+logprobs equal a fresh engine's, loaded from the trained weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from cbrun import LLM, SamplingParams
 from cbrun.models import load_model
+from cbrun.training import ExactLogprobs
 
 PROMPTS = [
     [{"role": "user", "content": "Name a fruit."}],
@@ -83,45 +88,52 @@ def build_tiny_model(folder: Path) -> Path:
     return folder
 
 
-def sequence_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """The trainer's own logprob of each completion token (temperature 1), with gradients. [len(completion)]"""
-    ids = torch.tensor([prompt + completion])
-    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [len(completion), V]
-    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+class Rollouts:
+    """One iteration's samples as a padded batch: prompt + completion per row, the rollout's logprobs at the
+    completion tokens, and each row's group-normalized advantage."""
+
+    def __init__(self, outputs, rewards: list[list[float]]) -> None:
+        rows, old, advantages = [], [], []
+        for out, scores in zip(outputs, rewards):
+            mean, spread = statistics.fmean(scores), statistics.pstdev(scores)
+            for c, score in zip(out.outputs, scores):
+                rows.append((list(out.prompt_token_ids), list(c.token_ids)))
+                old.append([p[t].logprob for t, p in zip(c.token_ids, c.logprobs)])
+                advantages.append((score - mean) / (spread + 1e-6))
+        length = max(len(p) + len(c) for p, c in rows)
+        self.ids = torch.zeros(len(rows), length, dtype=torch.long)  # [B, L] right-padded
+        self.mask = torch.zeros_like(self.ids)  # [B, L] 1 at real tokens
+        self.completion = torch.zeros(len(rows), length, dtype=torch.bool)  # [B, L] the sampled tokens
+        self.old = torch.zeros(len(rows), length)  # [B, L] the rollout's logprob of each sampled token
+        for b, ((prompt, completion), logprobs) in enumerate(zip(rows, old)):
+            end = len(prompt) + len(completion)
+            self.ids[b, :end] = torch.tensor(prompt + completion)
+            self.mask[b, :end] = 1
+            self.completion[b, len(prompt) : end] = True
+            self.old[b, len(prompt) : end] = torch.tensor(logprobs)
+        self.advantages = torch.tensor(advantages)[:, None]  # [B, 1]
 
 
-def train(trainer, optimizer, rollouts, steps: int) -> float:
-    """GRPO on one batch of rollouts: group-normalized advantages, on-policy policy-gradient steps."""
-    trainer.train()
-    loss_value = 0.0
-    for _ in range(steps):
+def train(exact: ExactLogprobs, optimizer, batch: Rollouts, steps: int, clip: float = 0.2) -> tuple[float, float]:
+    """PPO-clipped GRPO steps on one batch; returns (the last loss, max |ratio - 1| before the first step).
+
+    The trainer's logprobs come from `exact`: the engine's arithmetic, so on-policy the ratio is exactly 1."""
+    exact.model.train()
+    loss_value, gap = 0.0, float("nan")
+    count = batch.completion.sum().clamp(min=1)
+    for step in range(steps):
         optimizer.zero_grad()
-        loss = torch.zeros(())
-        count = 0
-        for prompt_ids, completions, advantages in rollouts:
-            for tokens, advantage in zip(completions, advantages):
-                if tokens and advantage:
-                    loss = loss - advantage * sequence_logprobs(trainer, prompt_ids, tokens).sum()
-                    count += 1
-        if count:
-            (loss / count).backward()
-            optimizer.step()
-        loss_value = float(loss.detach()) / max(count, 1)
-    trainer.eval()
-    return loss_value
-
-
-def check_logprobs_agree(trainer, outputs, tolerance: float) -> float:
-    """The largest |engine logprob - trainer logprob| over every sampled token; asserts it is within tolerance."""
-    worst = 0.0
-    with torch.no_grad():
-        for out in outputs:
-            for c in out.outputs:
-                engine = torch.tensor([p[t].logprob for t, p in zip(c.token_ids, c.logprobs)])
-                own = sequence_logprobs(trainer, out.prompt_token_ids, c.token_ids)
-                worst = max(worst, float((engine - own).abs().max()))
-    assert worst <= tolerance, f"engine and trainer logprobs differ by {worst:.2e} > {tolerance:.0e}"
-    return worst
+        new = exact(batch.ids, batch.mask).logprobs  # [B, L]
+        ratio = torch.exp(torch.where(batch.completion, new - batch.old, torch.zeros_like(new)))  # [B, L]
+        if step == 0:
+            gap = float((ratio.detach() - 1).abs().max())  # before any optimizer step: on-policy
+        surrogate = torch.minimum(ratio * batch.advantages, ratio.clamp(1 - clip, 1 + clip) * batch.advantages)
+        loss = -(surrogate * batch.completion).sum() / count
+        loss.backward()
+        optimizer.step()
+        loss_value = float(loss.detach())
+    exact.model.eval()
+    return loss_value, gap
 
 
 def fingerprint(outputs) -> list:
@@ -131,19 +143,20 @@ def fingerprint(outputs) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a cbrun model spec; default: a tiny random model built here")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine and trainer")
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per iteration")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--tolerance", type=float, default=1e-3, help="engine vs trainer logprobs, absolute")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="cbrun-rl-") as scratch:
         scratch = Path(scratch)
         spec = args.model or str(build_tiny_model(scratch / "tiny"))
         lr = args.lr if args.lr is not None else (1e-3 if args.model is None else 1e-5)
-        llm = LLM(spec, dtype="float32", seed=0)
-        trainer, tokenizer = load_model(spec, dtype="float32", device="cpu")  # the trainer's own copy
+        llm = LLM(spec, dtype=args.dtype, seed=0)
+        trainer, tokenizer = load_model(spec, dtype=args.dtype, device="cpu")  # the trainer's own copy
+        exact = ExactLogprobs(trainer, args.dtype)  # its logprobs: the engine's arithmetic, with gradients
         optimizer = torch.optim.Adam(trainer.parameters(), lr=lr)
         params = SamplingParams(n=8, temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=1)
 
@@ -151,41 +164,33 @@ def main() -> None:
             started = time.perf_counter()
             outputs = llm.chat(PROMPTS, params, use_tqdm=False)
             generated = time.perf_counter()
-            worst = check_logprobs_agree(trainer, outputs, args.tolerance)
-            rollouts, rewards = [], []
-            for out in outputs:
-                scores = [reward(c.text) for c in out.outputs]
-                mean, spread = statistics.fmean(scores), statistics.pstdev(scores)
-                rollouts.append(
-                    (
-                        out.prompt_token_ids,
-                        [c.token_ids for c in out.outputs],
-                        [(s - mean) / (spread + 1e-6) for s in scores],
-                    )
-                )
-                rewards += scores
-            checked = time.perf_counter()
+            rewards = [[reward(c.text) for c in out.outputs] for out in outputs]
+            batch = Rollouts(outputs, rewards)
             llm.sleep()  # the KV pool goes back to the OS while the trainer works
-            loss = train(trainer, optimizer, rollouts, args.steps)
+            loss, gap = train(exact, optimizer, batch, args.steps)
             llm.wake_up()
             trained = time.perf_counter()
             llm.update_weights(trainer.state_dict())
             updated = time.perf_counter()
+            print(f"on-policy max |ratio - 1|: {gap}", flush=True)
+            mean_reward = statistics.fmean(r for group in rewards for r in group)
             print(
-                f"iteration {iteration}: mean reward {statistics.fmean(rewards):+.4f}, loss {loss:+.4f}, "
-                f"engine vs trainer logprobs max |diff| {worst:.1e}; "
-                f"generate {generated - started:.2f}s, train {trained - checked:.2f}s, "
-                f"update {updated - trained:.2f}s (logprob check {checked - generated:.2f}s)",
+                f"iteration {iteration}: mean reward {mean_reward:+.4f}, loss {loss:+.4f}; "
+                f"generate {generated - started:.2f}s, train {trained - generated:.2f}s, "
+                f"update {updated - trained:.2f}s",
                 flush=True,
             )
 
         after_update = llm.chat(PROMPTS, params, use_tqdm=False)
-        check_logprobs_agree(trainer, after_update, args.tolerance)
+        with torch.no_grad():  # the updated engine's samples: the trainer gives them their rollout bits again
+            batch = Rollouts(after_update, [[0.0] * len(out.outputs) for out in after_update])
+            new = exact(batch.ids, batch.mask).logprobs
+        assert torch.equal(new[batch.completion], batch.old[batch.completion]), "trainer and engine differ"
         trained_dir = scratch / "trained"
         trainer.save_pretrained(trained_dir)
         tokenizer.save_pretrained(trained_dir)
         llm.close()
-        with LLM(str(trained_dir), dtype="float32", seed=0) as fresh:
+        with LLM(str(trained_dir), dtype=args.dtype, seed=0) as fresh:
             assert fingerprint(after_update) == fingerprint(fresh.chat(PROMPTS, params, use_tqdm=False)), (
                 "the updated engine differs from a fresh engine with the trained weights"
             )

@@ -1,4 +1,4 @@
-"""Random-weight models of real architectures at real sizes (0.6B to 8B), for `cbrun bench --model random:NAME`.
+"""Random-weight models of real architectures at real sizes (0.5B to 8B), for `cbrun bench --model random:NAME`.
 
 The default model (135M parameters) is small enough that per-step overheads
 weigh as much as the matrix products; a 1-2B model is where GEMMs dominate, as
@@ -31,6 +31,20 @@ SHAPES: dict[str, tuple[str, dict]] = {
             num_key_value_heads=8,
             head_dim=128,
             max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2.5-0.5b": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
             rope_theta=1000000.0,
             rms_norm_eps=1e-6,
             tie_word_embeddings=True,

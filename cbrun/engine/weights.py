@@ -2,9 +2,10 @@
 
 `read_weights` turns what an RL trainer hands over (a state dict, (name,
 tensor) pairs as vLLM's `load_weights` takes, a checkpoint directory or a
-safetensors file) into one name -> tensor mapping. `load_into` copies it into
-the model's own tensors, converting dtype and device, after checking every
-name and shape first, so a bad update changes nothing. `WeightStash` moves
+safetensors file) into one name -> tensor mapping. `load_into` puts it into
+the model, after checking every name and shape first, so a bad update changes
+nothing: a tensor the model can read as it is (same dtype, device and layout)
+is taken, not copied; others are copied, converting dtype and device. `WeightStash` moves
 the parameters out of the model (to a file, or to a dict the caller owns)
 and back, for a level-2 sleep.
 
@@ -71,16 +72,55 @@ def _read_path(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
-    """Copy `tensors` into the model's parameters and buffers of the same names; returns how many.
+    """Put `tensors` into the model's parameters and buffers of the same names; returns how many were given.
 
     Every name and shape is checked before anything is written. Names not
-    given keep their values (a partial update is allowed).
+    given keep their values (a partial update is allowed). A tensor the
+    model can use as it is, is taken, not copied (`place`).
     """
     targets = checked_targets(model, tensors)
     with torch.no_grad():
-        for name, value in tensors.items():
-            targets[name].copy_(value)  # converts dtype and device
+        for target, value in distinct_updates(targets, tensors):
+            place(target, value)
     return len(tensors)
+
+
+def distinct_updates(
+    targets: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(model tensor, new value) for each name given, each pair once: a tied weight's two names (embedding and
+    head) given the same tensor, as `state_dict()` gives them, are one update."""
+    pairs: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        target = targets[name]
+        pairs.setdefault((id(target), value.data_ptr(), tuple(value.stride())), (target, value))
+    return list(pairs.values())
+
+
+def shareable(target: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `value` can stand for `target` as it is: same dtype, device, shape and layout (contiguous)."""
+    return (
+        value.dtype == target.dtype
+        and value.device == target.device
+        and value.shape == target.shape
+        and value.is_contiguous()
+        and target.is_contiguous()
+    )
+
+
+def place(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Give the model tensor `target` the values of `value` without a copy where it can: nothing when it already
+    is that memory, `value`'s memory taken (shared) when `shareable`, else copied (converting dtype, device).
+
+    A taken tensor is read in place from then on: an in-process trainer's state dict shares its parameters'
+    memory with the engine, and changes the engine's weights when it steps; `update_weights` again after
+    changing them (the prefix cache is dropped then), and do not change them while requests run."""
+    if value.data_ptr() == target.data_ptr() and shareable(target, value):
+        return
+    if shareable(target, value):
+        target.data = value.detach()
+    else:
+        target.copy_(value)
 
 
 def checked_targets(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -123,6 +123,23 @@ def test_packing_a_member_and_reading_it_back_is_exact(role):
     assert torch.equal(_bits(kernels.dp_unpack(packed, inner, role, ids=ids)), _bits(weight[[69, 0, 33]]))
 
 
+@pytest.mark.parametrize("role", ["plain", "gate", "up"])
+def test_packing_rows_of_a_wider_matrix_equals_packing_their_copy(role):
+    """The pack moves 16 rows x 16 pairs at a time where it can (a transpose in registers) and a row at a time
+    elsewhere: rows read at a stride wider than K, from any first output, give the same packed bits."""
+    gen = torch.Generator().manual_seed(6)
+    inner, width = 77, 53  # 38 pairs (two whole groups of 16, then 6) and a pad element
+    wide = torch.randn(width, inner + 9, generator=gen).to(torch.bfloat16)
+    first = 7 if role == "plain" else 0  # lanes 7..15 one by one, then whole groups of 16
+    packs = []
+    for weight in (wide[:, :inner], wide[:, :inner].contiguous()):
+        packed = kernels.dp_packed(width + first, inner, gated=role != "plain")
+        kernels.dp_pack_into(packed, inner, weight, role, first)
+        packs.append(packed)
+    assert torch.equal(packs[0], packs[1])
+    assert torch.equal(_bits(kernels.dp_unpack(packs[0], inner, role, first, width)), _bits(wide[:, :inner]))
+
+
 @pytest.mark.parametrize(
     "gated,widths", [(True, [48, 48]), (False, [64, 32, 40]), (False, [40, 32, 24])]
 )  # members on whole blocks (computed from their own blocks) and not (sliced out of the whole)

@@ -1,5 +1,6 @@
-"""The RL examples run (issue 27): examples/rl_loop.py on a tiny model (and on the real one in the slow
-tier), and the shell pipeline `cbrun generate ... | python examples/reward.py`."""
+"""The RL examples run (issues 27, 34): examples/rl_loop.py on a tiny model in fp32 and bf16, exactly
+on-policy (and on the real one in the slow tier), and the shell pipeline
+`cbrun generate ... | python examples/reward.py`."""
 
 from __future__ import annotations
 
@@ -31,14 +32,20 @@ def run_rl_loop(*args: str) -> str:
 
 
 @pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
-def test_rl_loop_example_updates_in_place_and_equals_a_fresh_engine_on_a_tiny_model():
-    out = run_rl_loop("--iterations", "2", "--max-tokens", "8")
-    assert out.count("engine vs trainer logprobs") == 2
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rl_loop_example_is_exactly_on_policy_and_equals_a_fresh_engine_on_a_tiny_model(dtype):
+    out = run_rl_loop("--dtype", dtype, "--iterations", "2", "--max-tokens", "8")
+    gaps = [line.rpartition(": ")[2] for line in out.splitlines() if line.startswith("on-policy max |ratio - 1|: ")]
+    assert gaps == ["0.0", "0.0"], out  # the trainer's forward gives the rollout's bits (issue 34)
     assert "equal a fresh engine's bit for bit" in out
 
 
-def test_rl_loop_example_on_the_real_model(smollm2_gguf):
-    out = run_rl_loop("--model", "smollm2-135m", "--iterations", "1", "--steps", "1", "--max-tokens", "16")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rl_loop_example_on_the_real_model(smollm2_gguf, dtype):
+    out = run_rl_loop(
+        "--model", "smollm2-135m", "--dtype", dtype, "--iterations", "1", "--steps", "1", "--max-tokens", "16"
+    )
+    assert "on-policy max |ratio - 1|: 0.0\n" in out  # the trainer's forward gives SmolLM2's rollout bits too
     assert "equal a fresh engine's bit for bit" in out
 
 

@@ -43,11 +43,14 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
 
-    def __init__(self, kernels: CpuKernels, policy: str = "portable", quantization: str | None = None) -> None:
+    def __init__(
+        self, kernels: CpuKernels, policy: str = "portable", quantization: str | None = None, keep_dense: bool = False
+    ) -> None:
         super().__init__()  # the torch layout until install finds the compiled attention applies
         self.kernels = kernels
         self.policy = policy  # which linear methods may serve (method_selector.py)
         self.quantization = quantization  # "int8": W8A8 for every linear but the output head (int8_linear.py)
+        self.keep_dense = keep_dense  # the methods pack copies; the model keeps its own tensors (HeldWeights)
         self.attends_rows = False  # whether the compiled attention covers the model (install decides)
         self.linears: dict[torch.nn.Linear, LayerMethod | MemberForward] = {}
         self.fused_layers: list[LayerPlan] = []
@@ -67,7 +70,7 @@ class CpuBackend(TorchBackend):
         methods: dict[torch.dtype, LinearMethod] = {
             c.dtype: c.method for c in self.method_choices if c.method is not None
         }
-        self.held = HeldWeights(model)
+        self.held = HeldWeights(model, self.keep_dense)
         dtype = _dtype_of(model)
         method = methods.get(dtype) if dtype is not None else None
         if self.quantization == "int8":

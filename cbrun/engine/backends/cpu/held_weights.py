@@ -10,7 +10,8 @@ given back to the OS at once, so loading streams tensor by tensor and the
 peak stays near one copy.
 
 While installed, the packs are the weights: `load` writes new values
-straight into them (only the members named), `nbytes` counts what the engine
+straight into them (only the members named; a linear read in place takes
+the new tensor itself where it can, weights.place), `nbytes` counts what the engine
 holds, and `restore` gives the model its dense tensors back, bit for bit,
 method by method (each pack freed as soon as its members are out, so the
 peak stays one copy plus one layer).
@@ -32,16 +33,21 @@ import torch
 
 from cbrun.engine.backends.cpu.int8_linear import PREQUANTIZED
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod
-from cbrun.engine.weights import checked_targets, model_weight_bytes
+from cbrun.engine.weights import checked_targets, distinct_updates, model_weight_bytes, place
 
 _MADV_DONTNEED = 4
 
 
 class HeldWeights:
-    """The model's linear modules whose weights a layer method holds, and what was dropped for them."""
+    """The model's linear modules whose weights a layer method holds, and what was dropped for them.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    keep_dense: the model's tensors stay as they are (a trainer's parameters, which its optimizer updates):
+    the methods pack copies, nothing is dropped and no page is given back (cbrun/training).
+    """
+
+    def __init__(self, model: torch.nn.Module, keep_dense: bool = False) -> None:
         self.model = model
+        self.keep_dense = keep_dense
         self.holders: dict[torch.nn.Linear, tuple[LayerMethod, int]] = {}  # module -> (method, member)
         self.forwards: dict[torch.nn.Module, Any] = {}  # modules whose forward this install replaced, and by what
         self._users = _parameter_users(model)  # id(parameter) -> the modules that use it
@@ -56,7 +62,7 @@ class HeldWeights:
         """`module`'s weight is member `member` of `method` from now on: where the method keeps its own copy, the
         module's dense tensor is dropped (a tied plain embedding then reads its rows from the method)."""
         self.holders[module] = (method, member)
-        if not method.owns_weights:
+        if not method.owns_weights or self.keep_dense:
             return
         weight = module.weight
         others = [m for m in self._users.get(id(weight), []) if m is not module]
@@ -95,9 +101,11 @@ class HeldWeights:
         self.holders, self.forwards = {}, {}
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Copy new weights (name -> tensor, names of `model.state_dict()`) in: a held linear's weight or bias
-        straight into its method, anything else into the model. Every name and shape is checked before
-        anything is written; names not given keep their values. Returns how many were written."""
+        """Put new weights (name -> tensor, names of `model.state_dict()`) in: a held linear's weight packed
+        straight into its method, anything else into the model (weights.place: taken where it can be read as
+        it is, else copied), and a linear read in place reads it from there. Every name and shape is checked
+        before anything is written; names not given keep their values, a tensor given twice (a tied weight's
+        two names) goes in once. Returns how many names were given."""
         targets = checked_targets(self.model, tensors)  # a dropped weight keeps its shape: checked as any other
         owners: dict[int, tuple[LayerMethod, int, str]] = {}
         for module, (method, member) in self.holders.items():
@@ -105,14 +113,15 @@ class HeldWeights:
             if module.bias is not None:
                 owners[id(module.bias)] = (method, member, "bias")
         with torch.no_grad():
-            for name, value in tensors.items():
-                target = targets[name]
+            for target, value in distinct_updates(targets, tensors):
                 owner = owners.get(id(target))
-                if owner is None or owner[2] == "bias" or target.stride() != (0, 0) or not owner[0].owns_weights:
-                    target.copy_(value)  # the model's own tensor (converts dtype and device)
-                if owner is not None:  # a bias goes in as the model now holds it (in the model's dtype)
+                if owner is not None and owner[2] == "weight" and owner[0].owns_weights and target.stride() == (0, 0):
+                    owner[0].load(owner[1], weight=value)  # packed from the new tensor: the only copy
+                    continue
+                place(target, value)
+                if owner is not None:  # the method reads the model's tensor (in place), or keeps its own of it
                     method, member, part = owner
-                    method.load(member, **{part: target.detach() if part == "bias" else value})
+                    method.load(member, **{part: target.detach()})
         return len(tensors)
 
     def nbytes(self) -> int:

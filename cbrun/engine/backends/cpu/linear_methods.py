@@ -29,6 +29,7 @@ from typing import Protocol, TypeGuard
 import torch
 
 from cbrun.engine.backends.cpu.kernels import CpuKernels
+from cbrun.engine.weights import shareable
 
 
 class LayerMethod(Protocol):
@@ -56,7 +57,9 @@ class LayerMethod(Protocol):
         ...
 
     def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
-        """Replace member `index`'s weight and/or bias (same shape, converted to the method's dtype) in place."""
+        """Replace member `index`'s weight and/or bias (same shape, converted to the method's dtype): packed again in
+        place, or, for a method that reads the weights in place, the tensor itself taken where it can be read as
+        it is (weights.place)."""
         ...
 
     def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
@@ -190,15 +193,24 @@ class _InPlaceLinear:
     def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
         with torch.no_grad():
             if weight is not None:
-                self.weights[index].copy_(weight)  # the module's own tensor: read in place
+                self.weights[index] = _read_in_place(self.weights[index], weight)
             if bias is not None and (own := self.biases[index]) is not None:
-                own.copy_(bias)
+                self.biases[index] = _read_in_place(own, bias)
 
     def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
         return self.weights[index].index_select(0, ids)
 
     def release(self) -> None:
         self.weights, self.biases = [], []
+
+
+def _read_in_place(own: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """What an in-place method reads from now on: `new` itself where the kernel can read it as it is (the model's
+    tensor, or a trainer's shared with it: no copy), else `own` holding new's values (converted)."""
+    if shareable(own, new):
+        return new.detach()
+    own.copy_(new)
+    return own
 
 
 class _PairDotLinear:

@@ -39,6 +39,7 @@
  *   dp_variant_runs  whether a variant can run on this CPU (DP_ISA: the CPU reports AVX512-BF16)
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "dp_pairs.h"
 
@@ -248,6 +249,76 @@ int dp_zero_blocks(uint16_t* packed, int64_t blocks, int64_t K, int threads) {
   return 0;
 }
 
+/* One output's pairs from pair `from` on into its lane (`lane` = the block + 2 * its lane): pair p at
+ * lane + p * 2 * DP_BLOCK, each pair one 4-byte word; an odd K's last pair is (w[K - 1], 0). */
+static void dp_pack_row(const uint16_t* src, int64_t K, int64_t from, uint16_t* lane) {
+  const int64_t whole = K / 2;
+  for (int64_t p = from; p < whole; ++p) memcpy(lane + p * 2 * DP_BLOCK, src + 2 * p, 4);
+  if (K % 2) {
+    lane[whole * 2 * DP_BLOCK] = src[K - 1];
+    lane[whole * 2 * DP_BLOCK + 1] = 0;
+  }
+}
+
+#if defined(__clang__)
+#define DP_SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define DP_SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (v16u){__VA_ARGS__})
+#endif
+typedef uint32_t dp_words16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+/* One whole 64-byte line of the pack: streamed past the caches where the CPU can (AVX-512, an aligned line: no
+ * read of the line's old contents, and an update's packs would only push the model's other weights out of the
+ * caches), else a plain store. dp_pack_weight fences the streamed lines before it returns. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline void dp_store_line(uint16_t* line, v16u words) {
+  if ((uintptr_t)line % 64 == 0)
+    _mm512_stream_si512((void*)line, (__m512i)words);
+  else
+    *(dp_words16*)line = words;
+}
+static inline void dp_fence_lines(void) { _mm_sfence(); }
+#else
+static inline void dp_store_line(uint16_t* line, v16u words) { *(dp_words16*)line = words; }
+static inline void dp_fence_lines(void) {}
+#endif
+
+/* Stage k of a 16 x 16 transpose of words: rows i and i + s (s = 2^k, bit k of i clear) exchange bit k of the
+ * word index with bit k of the row index (DP_LOk gives row i, DP_HIk row i + s, from their 32 words). */
+#define DP_LO0 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define DP_HI0 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define DP_LO1 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define DP_HI1 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define DP_LO2 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define DP_HI2 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define DP_LO3 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define DP_HI3 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define DP_STAGE(t, s, LO, HI)                 \
+  for (int i = 0; i < 16; ++i)                 \
+    if (!(i & (s))) {                          \
+      const v16u a = (t)[i], c = (t)[i + (s)]; \
+      (t)[i] = DP_SHUFFLE16(a, c, LO);         \
+      (t)[i + (s)] = DP_SHUFFLE16(a, c, HI);   \
+    }
+
+/* 16 rows (row r at src + r * ldw) into 16 consecutive lanes from `lanes`, 16 pairs at a time: a 16 x 16
+ * transpose of 4-byte words in registers, each pair of the 16 outputs one whole 64-byte store. Returns the pairs
+ * moved (a multiple of 16); dp_pack_row moves the rest. It only moves words: the packed bits are dp_pack_row's. */
+static int64_t dp_pack_16_rows(const uint16_t* src, int64_t ldw, int64_t K, uint16_t* lanes) {
+  const int64_t whole = K / 2 / 16 * 16;
+  for (int64_t p = 0; p < whole; p += 16) {
+    v16u t[16];
+    for (int r = 0; r < 16; ++r) t[r] = *(const dp_words16*)(src + r * ldw + 2 * p);
+    DP_STAGE(t, 1, DP_LO0, DP_HI0)
+    DP_STAGE(t, 2, DP_LO1, DP_HI1)
+    DP_STAGE(t, 4, DP_LO2, DP_HI2)
+    DP_STAGE(t, 8, DP_LO3, DP_HI3)
+    for (int c = 0; c < 16; ++c) dp_store_line(lanes + (p + c) * 2 * DP_BLOCK, t[c]);
+  }
+  return whole;
+}
+
 /* Rows w [rows, K] bf16 (rows ldw apart) become outputs first .. first + rows - 1 of `role` in `packed` (a
  * matrix of K inputs): only those outputs' lanes are written (the pad element of an odd K as zero), so the
  * members of a fused matrix (q|k|v, gate and up) are packed, and later replaced, one at a time, each
@@ -258,17 +329,27 @@ int dp_pack_weight(const uint16_t* w, int64_t ldw, int64_t rows, int64_t K, int 
   if (rows < 1 || K < 1 || first < 0 || ldw < K || role < DP_PLAIN || role > DP_UP) return DP_BAD_ARGS;
   const int64_t Kp = (K + 1) / 2 * 2;
   const int64_t b0 = dp_block_of(first, role), b1 = dp_block_of(first + rows - 1, role) + 1;
-  _Pragma("omp parallel for num_threads(threads) schedule(static)")
+  _Pragma("omp parallel num_threads(threads)") {
+  _Pragma("omp for schedule(static)")
   for (int64_t b = b0; b < b1; ++b) {
     const int per_block = role == DP_PLAIN ? DP_BLOCK : DP_BLOCK / 2;
     const int64_t n0 = b * per_block < first ? first : b * per_block;
     const int64_t n1 = (b + 1) * per_block < first + rows ? (b + 1) * per_block : first + rows;
     uint16_t* dst = packed + b * Kp * DP_BLOCK;
-    for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t n = n0; n < n1;) {
+      const int lane = dp_lane_of(n, role);
       const uint16_t* src = w + (n - first) * ldw;
-      const int j = dp_lane_of(n, role);
-      for (int64_t k = 0; k < Kp; ++k) dst[(k / 2 * DP_BLOCK + j) * 2 + k % 2] = k < K ? src[k] : 0;
+      if (lane % 16 == 0 && n + 16 <= n1) { /* 16 rows on lanes lane..lane+15: whole 64-byte lines of the block */
+        const int64_t done = dp_pack_16_rows(src, ldw, K, dst + 2 * lane);
+        for (int r = 0; r < 16; ++r) dp_pack_row(src + r * ldw, K, done, dst + 2 * (lane + r));
+        n += 16;
+      } else {
+        dp_pack_row(src, K, 0, dst + 2 * lane);
+        n += 1;
+      }
     }
+  }
+  dp_fence_lines(); /* this thread's streamed lines are in memory before the region's end lets anyone read them */
   }
   return 0;
 }
