@@ -70,7 +70,7 @@ def invoke(capsys):
 @pytest.fixture
 def no_gemm_probe(monkeypatch):
     """Skip the GEMM measurement (seconds on a slow CPU) where a test does not look at it."""
-    monkeypatch.setattr(bench_runner, "measure_ceiling", lambda model, dtype, device: FIXED_CEILING)
+    monkeypatch.setattr(bench_runner, "measure_ceiling", lambda model, dtype, device, quantization=None: FIXED_CEILING)
 
 
 def _row_cells(stdout: str, engine: str) -> list[str]:

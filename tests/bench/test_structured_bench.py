@@ -37,7 +37,7 @@ def _small_dataset(path: Path) -> Path:
 
 
 def test_structured_bench_checks_every_row_and_runs_the_free_baseline(tiny_llama_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_runner, "measure_ceiling", lambda model, dtype, device: FIXED_CEILING)
+    monkeypatch.setattr(bench_runner, "measure_ceiling", lambda model, dtype, device, quantization=None: FIXED_CEILING)
     out_json = tmp_path / "bench.json"
     code = main(
         [
