@@ -36,7 +36,7 @@ import torch
 
 from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, int8_kernels, quantize_weight
 from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, _fp32_bias, _offsets
+from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, member_layout
 
 PREQUANTIZED = "cbrun_int8"  # a weight tensor's attribute: its int8 form (q [N, K] int8, scale [N] fp32)
 
@@ -109,18 +109,9 @@ class Int8Linear:
     ) -> None:
         self.int8, self.variant, self.gated = int8_kernels(kernels), variant, gated
         self.dtype = weights[0].dtype  # what `weight` gives back
-        self.inner = weights[0].shape[1]
-        self.widths = [w.shape[0] for w in weights]
-        if gated:
-            self.outputs = self.widths[0]
-            self.roles, self.starts = ["gate", "up"], [0, 0]
-            self.bias = _fp32_bias(biases[:1], [self.outputs])
-            self.up_bias = _fp32_bias(biases[1:], [self.outputs])
-        else:
-            self.outputs = sum(self.widths)
-            self.roles, self.starts = ["plain"] * len(weights), _offsets(self.widths)
-            self.bias = _fp32_bias(biases, self.widths)
-            self.up_bias = None
+        self.inner, self.widths, self.outputs, self.roles, self.starts, self.bias, self.up_bias = member_layout(
+            weights, biases, gated
+        )
         self.packed = self.int8.packed(self.outputs, self.inner, gated)  # int8 [blocks * (Kp * 32 + 256)]
         for index, weight in enumerate(weights):
             self._pack(index, *int8_form(weight))

@@ -153,6 +153,20 @@ def _fp32_bias(biases: Sequence[torch.Tensor | None], widths: list[int]) -> torc
     return torch.cat(parts).contiguous()
 
 
+def member_layout(
+    weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], gated: bool
+) -> tuple[int, list[int], int, list[str], list[int], torch.Tensor | None, torch.Tensor | None]:
+    """How a packed method lays out its members, whatever its kernel: (inner K, member widths, outputs, each
+    member's packing role, each member's first output, fp32 bias, fp32 up bias). Gated: gate and up side by side
+    per output (outputs = one member's width); else the members' outputs one after another."""
+    widths = [w.shape[0] for w in weights]
+    if gated:
+        bias, up_bias = _fp32_bias(biases[:1], widths[:1]), _fp32_bias(biases[1:], widths[:1])
+        return weights[0].shape[1], widths, widths[0], ["gate", "up"], [0, 0], bias, up_bias
+    roles, starts = ["plain"] * len(weights), _offsets(widths)
+    return weights[0].shape[1], widths, sum(widths), roles, starts, _fp32_bias(biases, widths), None
+
+
 def _offsets(widths: Sequence[int]) -> list[int]:
     """Where each member's outputs start among the outputs side by side."""
     starts = [0]
@@ -233,18 +247,9 @@ class _PairDotLinear:
         gated: bool,
     ) -> None:
         self.kernels, self.variant, self.gated = kernels, variant, gated
-        self.inner = weights[0].shape[1]
-        self.widths = [w.shape[0] for w in weights]
-        if gated:
-            self.outputs = self.widths[0]
-            self.roles, self.starts = ["gate", "up"], [0, 0]
-            self.bias = _fp32_bias(biases[:1], [self.outputs])
-            self.up_bias = _fp32_bias(biases[1:], [self.outputs])
-        else:
-            self.outputs = sum(self.widths)
-            self.roles, self.starts = ["plain"] * len(weights), _offsets(self.widths)
-            self.bias = _fp32_bias(biases, self.widths)
-            self.up_bias = None
+        self.inner, self.widths, self.outputs, self.roles, self.starts, self.bias, self.up_bias = member_layout(
+            weights, biases, gated
+        )
         self.packed = kernels.dp_packed(self.outputs, self.inner, gated)  # [blocks * Kp * 32] int16
         for index, weight in enumerate(weights):
             self._pack(index, weight)
