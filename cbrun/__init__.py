@@ -12,6 +12,7 @@ _LLM_API = (
     "UnsupportedFieldError",
     "StructuredOutputsParams",
     "GuidedDecodingParams",
+    "LoRARequest",
 )
 __all__ = ["__version__", *_LLM_API]
 
@@ -19,6 +20,10 @@ __all__ = ["__version__", *_LLM_API]
 def __getattr__(name: str) -> object:
     """`from cbrun import LLM, SamplingParams` (vLLM's offline API), imported on first use so that
     `import cbrun` stays light for the command line."""
+    if name == "LoRARequest":
+        from cbrun.lora.request import LoRARequest
+
+        return LoRARequest
     if name in _LLM_API:
         import cbrun.llm
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,8 @@ def build_engine_config(
     max_memory_percent: float | None = None,
     kernels: str | None = None,
     quantization: str | None = None,
+    lora: Sequence[str] | None = None,
+    max_lora_rank: int | None = None,
 ) -> EngineConfig:
     """EngineConfig from command-line values; None keeps EngineConfig's default.
 
@@ -64,11 +66,29 @@ def build_engine_config(
         "max_memory_percent": max_memory_percent,
         "kernels": kernels.value if isinstance(kernels, Enum) else kernels,
         "quantization": quantization.value if isinstance(quantization, Enum) else quantization,
+        "lora_modules": lora_modules(lora) if lora else None,
+        "max_lora_rank": max_lora_rank,
     }
     try:
         return EngineConfig(**{name: value for name, value in given.items() if value is not None})
     except ConfigError as exc:
         raise CliError(f"invalid engine option: {exc}") from None
+
+
+def lora_modules(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """--lora NAME=PATH values as (name, path) pairs; CliError for one without a name, or a path that is no
+    directory."""
+    pairs = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise CliError(f"--lora {value!r}: expected NAME=PATH (a name for rows to use, a PEFT adapter directory)")
+        if not os.path.isdir(os.path.expanduser(path)):
+            raise CliError(
+                f"--lora {value!r}: {path!r} is not a directory (a PEFT adapter's, with adapter_config.json)"
+            )
+        pairs.append((name.strip(), os.path.expanduser(path)))
+    return tuple(pairs)
 
 
 def load_model(

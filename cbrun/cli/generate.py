@@ -154,9 +154,9 @@ def _prompt_columns(opts: GenerateOptions, keep: tuple[str, ...]) -> set[str]:
     from cbrun.data.constraints import ROW_FIELDS
     from cbrun.data.generate.preparer import SAMPLING_OVERRIDES
     from cbrun.data.prompts import PROMPT_FIELDS
-    from cbrun.data.rows import ID_FIELDS
+    from cbrun.data.rows import ID_FIELDS, LORA_FIELD
 
-    columns = {*ID_FIELDS, *PROMPT_FIELDS, *SAMPLING_OVERRIDES, *ROW_FIELDS, *keep, "method", "url", "body"}
+    columns = {*ID_FIELDS, *PROMPT_FIELDS, *SAMPLING_OVERRIDES, *ROW_FIELDS, *keep, LORA_FIELD, "method", "url", "body"}
     return columns | ({opts.prompt_column} if opts.prompt_column else set())
 
 

@@ -173,6 +173,19 @@ class EngineOptions:
         ),
     ] = None
 
+    lora: Annotated[
+        Optional[list[str]],
+        engine_option(
+            "--lora",
+            help="A LoRA adapter to load, NAME=PATH (a PEFT adapter directory); rows run it with a 'lora' field "
+            "naming it. Repeat for several: one step runs any mix of them, each row as it runs alone.",
+            show_default=False,
+        ),
+    ] = None
+    max_lora_rank: Annotated[
+        Optional[int], engine_option(help="The largest LoRA rank an adapter may have (default 16).")
+    ] = None
+
     def engine_config(self) -> EngineConfig:
         """The EngineConfig these options ask for; raises CliError naming a bad value."""
         return build_engine_config(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)})

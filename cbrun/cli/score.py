@@ -79,7 +79,8 @@ def score(opts: ScoreOptions) -> int:
 def _open_score_rows(opts: ScoreOptions, keep: tuple[str, ...]) -> InputSource:
     """INPUT, reading the columns a score row may use (generate's output rows among them)."""
     from cbrun.data.prompts import PROMPT_FIELDS
-    from cbrun.data.rows import ID_FIELDS
+    from cbrun.data.rows import ID_FIELDS, LORA_FIELD
     from cbrun.data.score.preparer import COMPLETION_FIELDS, SCORE_PROMPT_IDS
 
-    return opts.open_rows({*ID_FIELDS, *PROMPT_FIELDS, *COMPLETION_FIELDS, SCORE_PROMPT_IDS, "sample", "error", *keep})
+    fields = {*ID_FIELDS, *PROMPT_FIELDS, *COMPLETION_FIELDS, SCORE_PROMPT_IDS, LORA_FIELD, "sample", "error", *keep}
+    return opts.open_rows(fields)

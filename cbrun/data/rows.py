@@ -55,6 +55,7 @@ class ParsedRow:
     meta: dict | None = None
     token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    lora: str | None = None  # the LoRA adapter it runs (a name given with --lora), None: the base model
 
 
 RowT = TypeVar("RowT", bound=ParsedRow)  # a ParsedRow or a subclass (score rows): tokenize hands back the same kind
@@ -74,3 +75,16 @@ def record_id(record: dict, index: int) -> tuple[str, str | None]:
             return str(index), f"{name}: must be a string or an integer, got {type(value).__name__}"
         return str(value), None
     return str(index), None
+
+
+LORA_FIELD = "lora"  # a row's LoRA adapter, by the name `--lora NAME=PATH` gave it
+
+
+def row_lora(record: dict) -> tuple[str | None, str | None]:
+    """(the row's adapter name or None, why the field is wrong or None)."""
+    value = record.get(LORA_FIELD)
+    if value is None or value == "":
+        return None, None
+    if not isinstance(value, str):
+        return None, f"{LORA_FIELD}: must be the name of an adapter given with --lora NAME=PATH, got {value!r}"
+    return value, None

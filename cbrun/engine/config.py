@@ -69,6 +69,14 @@ class EngineConfig:
         (per token, at every call), exact int32 sums; the head, embeddings,
         norms, attention and KV cache stay in the model's dtype
         (cpu/int8_linear.py).
+    enable_lora: hold LoRA adapters that requests name (cbrun/lora/): each
+        adapted linear adds scaling * B(A(x)) on the rows of the requests
+        running that adapter, in fp32, row by row; other rows are untouched.
+    max_lora_rank: the largest rank an adapter may have (vLLM's default, 16).
+    max_loras: how many adapters may be loaded at once (None: no bound); any
+        number of them run in one step.
+    lora_modules: adapters loaded at start, as (name, PEFT directory) pairs
+        (vLLM's --lora-modules; the CLI's --lora NAME=PATH); implies enable_lora.
     """
 
     page_size: int = 16
@@ -84,6 +92,10 @@ class EngineConfig:
     backend: BackendName = "auto"
     kernels: KernelPolicy = "portable"
     quantization: Quantization | None = None
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         check(self.page_size >= 4, f"page_size must be at least 4, got {self.page_size}")
@@ -114,6 +126,13 @@ class EngineConfig:
             self.quantization is None or self.quantization in QUANTIZATIONS,
             f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {self.quantization!r}",
         )
+        check(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        self.lora_modules = tuple((str(name), str(path)) for name, path in self.lora_modules)
+        names = [name for name, _ in self.lora_modules]
+        check(all(names), "lora_modules: every adapter needs a name")
+        check(len(set(names)) == len(names), f"lora_modules: an adapter name is given twice ({', '.join(names)})")
+        self.enable_lora = self.enable_lora or bool(self.lora_modules)
+        check(self.max_loras is None or self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         check(
             0.0 < self.max_memory_percent <= 1.0,
             f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}",

@@ -35,12 +35,13 @@ from cbrun.engine.model_spec import CausalLM, ModelSpec, Tokenizer, default_devi
 from cbrun.engine.request import Request, RequestStatus
 from cbrun.engine.sample.scoring import ScoredRows
 from cbrun.engine.scheduler import Scheduler
-from cbrun.engine.stats import StatsSnapshot
+from cbrun.engine.stats import StatsSnapshot, snapshot
 from cbrun.engine.step.attention import register as register_attention
 from cbrun.engine.step.batch import BatchBuilder, PagedBatch
 from cbrun.engine.step.model_runner import ModelRunner, StepLogits
 from cbrun.engine.stop_checks import check_stop
 from cbrun.engine.weights import StashTarget, WeightStash, give_back_memory
+from cbrun.lora.adapters import LoRAAdapters
 
 log = logging.getLogger("cbrun.engine")
 
@@ -100,7 +101,9 @@ class EngineCore:
             self.device,
             self.backend.metadata_builder,
         )
-        self.runner = ModelRunner(model, self.backend)
+        self.adapters = LoRAAdapters.serving(model, self.backend, config) if config.enable_lora else None
+        self.builder.adapters = self.adapters
+        self.runner = ModelRunner(model, self.backend, self.adapters)
         self.detok = Detokenizer(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self.spec.vocab_size)  # structured outputs, one compile per spec
         self._masks: MaskFiller | None = None  # started with the first constrained request
@@ -120,6 +123,8 @@ class EngineCore:
         """Give the model back as it came: its weights and its attention implementation (so that the caller's own
         `model.generate` works again); without `give_back_weights` (a caller that discards the model) the weights
         the backend holds are only freed."""
+        if self.adapters is not None:
+            self.adapters.close()  # its hooks off the model first
         self.backend.close(restore=give_back_weights)
         if self._stash is not None and give_back_weights:  # closed asleep at level 2: the weights go back
             self._stash.restore()
@@ -139,6 +144,8 @@ class EngineCore:
         if spec is not None and request.grammar is None and request.score is None:
             request.grammar = GrammarState(spec, self.grammars.matcher(spec))
             self._mask_filler().submit([request.grammar])  # the first token's mask, ready by its prefill's end
+        if request.lora is not None and self.adapters is not None:  # (the processor refused it without adapters)
+            request.cache_salt = self.adapters.salt(request.lora)
         self._stats.prompt_tokens += request.num_tokens if request.score is not None else request.num_prompt_tokens
         self.scheduler.add(request)
 
@@ -261,7 +268,7 @@ class EngineCore:
                     count, request.num_prompt_tokens - request.num_computed_tokens
                 )
             request.num_computed_tokens += count
-            self.cache.commit(request.key, request.all_token_ids, request.num_computed_tokens)
+            self.cache.commit(request.key, request.all_token_ids, request.num_computed_tokens, request.cache_salt)
             request.mark_running()
 
     def _append(
@@ -383,17 +390,4 @@ class EngineCore:
 
     def stats(self) -> StatsSnapshot:
         """A copy of the counters with current queue and cache occupancy filled in."""
-        snap = StatsSnapshot(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
-        scheduler, pool = self.scheduler, self.cache.pool
-        snap.pending = sum(1 for r in scheduler.waiting if r.status is not RequestStatus.OFFLOADED)
-        snap.offloaded = sum(1 for r in scheduler.waiting if r.status is RequestStatus.OFFLOADED)
-        snap.prefilling = sum(1 for r in scheduler.running if r.is_prefilling)
-        snap.decoding = len(scheduler.running) - snap.prefilling
-        snap.blocks_used = pool.num_used
-        snap.blocks_cached = pool.num_cached
-        snap.blocks_free = pool.num_free - pool.num_cached
-        snap.prefix_hit_tokens = scheduler.prefix_hit_tokens
-        counters = self.preemptor.counters
-        snap.offloads, snap.restores, snap.soft_resets = counters.offloads, counters.restores, counters.soft_resets
-        snap.elapsed_s = time.perf_counter() - self._started
-        return snap
+        return snapshot(self._stats, self.scheduler, self.cache.pool, self.preemptor.counters, self._started)

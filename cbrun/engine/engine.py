@@ -24,19 +24,22 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import overload
+from typing import TypeVar, overload
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.core import EngineCore, TokenEvent
 from cbrun.engine.core_loop import CoreLoop
+from cbrun.engine.lora_control import LoRAControl
 from cbrun.engine.model_spec import CausalLM, Tokenizer
-from cbrun.engine.processor import Processor, Prompt
+from cbrun.engine.processor import Processor, Prompt, submission_order
 from cbrun.engine.request import GenerationOutput, Request, RequestStatus, StreamChunk
 from cbrun.engine.results import ResultStore
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.stats import StatsSnapshot
 from cbrun.engine.streams import Streams
 from cbrun.engine.weights import StashTarget, WeightSource, read_weights
+
+T = TypeVar("T")
 
 __all__ = ["Engine", "Prompt"]
 
@@ -50,16 +53,15 @@ class Engine:
         self.core = EngineCore(model, tokenizer, self.config)
         self.max_context = self.core.spec.max_context
         self.vocab_size = self.core.spec.vocab_size
-        cache = self.core.cache
-        self.processor = Processor(
-            tokenizer, self.core.spec, self.core.grammars, cache.pool.num_blocks, cache.max_blocks_for
-        )
+        self.processor = Processor.serving(self.core, tokenizer)
         self._results = ResultStore()
         self._streams = Streams()
         self._ids = itertools.count()
         self._asleep = False  # sleep() gave the KV pool back; requests are refused until wake_up()
         self._loop = CoreLoop(self.core, self._deliver, self._stream_token)
         self._loop.start()
+        self.loras = LoRAControl(self.core, self._loop, self._while_idle)  # LoRA adapters: add, update, remove
+        self.loras.add_at_start(self.config.lora_modules, self.destroy)
 
     # -- submitting ---------------------------------------------------------
     def add_request(
@@ -70,16 +72,17 @@ class Engine:
         *,
         stream: bool = False,
         on_chunk: Callable[[StreamChunk], None] | None = None,
+        lora: str | None = None,
     ) -> str:
         """Queue one prompt (text or token ids); returns its id. Never raises for a bad request:
         it finishes with finish_reason "error" and a message instead.
 
         stream: read its tokens with `stream(id)`. on_chunk: instead, each chunk is handed to it on the
         engine's thread (it must not block; AsyncLLM passes them to its event loop). The last chunk of each
-        sample carries its whole result (`StreamChunk.output`)."""
+        sample carries its whole result (`StreamChunk.output`). lora: run it with this loaded adapter (add_lora)."""
         rid = self._new_id(request_id)
         streamed = stream or on_chunk is not None
-        group = self.processor.process(prompt, sampling, rid, streamed)
+        group = self.processor.process(prompt, sampling, rid, streamed, lora)
         if streamed:
             self._streams.open(rid, len(group), on_chunk)
         self._submit([group], streamed)
@@ -90,17 +93,15 @@ class Engine:
         prompts: Sequence[Prompt],
         sampling: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         request_ids: Sequence[str] | None = None,
+        loras: str | Sequence[str | None] | None = None,
     ) -> list[str]:
         """Queue many prompts, submitted in token-id order so shared prefixes hit the cache.
 
-        `sampling` is one value for all prompts or a sequence with one per prompt.
+        `sampling` is one value for all prompts or a sequence with one per prompt; `loras` likewise (adapter
+        names, None for the base model).
         """
-        ids: list[str | None] = list(request_ids) if request_ids is not None else [None] * len(prompts)
-        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        if len(ids) != len(prompts) or len(params) != len(prompts):
-            raise ValueError("request_ids and per-prompt sampling must have one entry per prompt")
-        groups = [self.processor.process(p, s, self._new_id(rid)) for p, s, rid in zip(prompts, params, ids)]
-        self._submit(sorted(groups, key=_prompt_order), stream=False)
+        groups = self.processor.process_many(prompts, sampling, request_ids, loras, self._new_id)
+        self._submit(sorted(groups, key=submission_order), stream=False)
         return [group[0].request_id for group in groups]
 
     def add_score_request(
@@ -112,6 +113,7 @@ class Engine:
         samples: Sequence[int] | None = None,
         prompt_logprobs: bool = False,
         top_logprobs: int = 0,
+        lora: str | None = None,
     ) -> str:
         """Queue teacher-forced scoring of token-id completions after one prompt; returns the id.
 
@@ -122,7 +124,8 @@ class Engine:
         Never raises for a bad completion: its result carries the error.
         """
         rid = self._new_id(request_id)
-        self._submit([self.processor.process_score(prompt, completions, rid, samples, prompt_logprobs, top_logprobs)])
+        group = self.processor.process_score(prompt, completions, rid, samples, prompt_logprobs, top_logprobs, lora)
+        self._submit([group])
         return rid
 
     def score_batch(
@@ -143,7 +146,7 @@ class Engine:
             self.processor.process_score(prompt, group, rid, None, prompt_logprobs, top_logprobs)
             for rid, prompt, group in zip(ids, prompts, completions)
         ]
-        self._submit(sorted(groups, key=_prompt_order))
+        self._submit(sorted(groups, key=submission_order))
         outputs = []
         for rid, group in zip(ids, completions):
             samples = [self._results.get(rid, timeout=None) for _ in group]
@@ -274,7 +277,6 @@ class Engine:
         model keeps), for the run summary and `cbrun info`."""
         return self.core.backend.weight_bytes(self.core.model)
 
-    # -- weights and memory between rollouts -----------------------------------
     # -- pausing around a weight update (vLLM's pause_generation / resume_generation) --------------
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> list[GenerationOutput]:
         """Stop generating until `resume_generation`; returns the requests ended ("abort" mode).
@@ -317,11 +319,16 @@ class Engine:
         Requests a "keep" pause holds are recomputed under the new weights and go on.
         """
         tensors = read_weights(weights)  # disk reads in the caller's thread, while the loop steps
+        return self._while_idle("update weights", lambda: self.core.update_weights(tensors), pause_mode)
+
+    def _while_idle(self, action: str, change: Callable[[], T], pause_mode: str | None) -> T:
+        """Run `change` on the loop between batches (RuntimeError while requests run), or, with `pause_mode`,
+        pause in that mode, run it and resume."""
         if pause_mode is None:
-            return self._loop.call_idle("update weights", lambda: self.core.update_weights(tensors))
+            return self._loop.call_idle(action, change)
         self.pause_generation(pause_mode)
         try:
-            return self._loop.call_idle("update weights", lambda: self.core.update_weights(tensors))
+            return self._loop.call_idle(action, change)
         finally:
             self.resume_generation()
 
@@ -390,9 +397,3 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.stop(hard=exc[0] is not None)
         self.destroy()
-
-
-def _prompt_order(group: list[Request]) -> list[int]:
-    """Submission order of many prompts: by token ids (a scored completion's included), so that shared
-    prefixes are adjacent in the queue."""
-    return group[0].all_token_ids if group else []

@@ -20,10 +20,12 @@ import secrets
 from collections.abc import Callable, Sequence
 
 from cbrun.engine.config import ConfigError
+from cbrun.engine.core import EngineCore
 from cbrun.engine.grammar import GrammarCompiler
 from cbrun.engine.model_spec import ModelSpec, Tokenizer
 from cbrun.engine.request import Request, ScoreParams
 from cbrun.engine.sampling_params import SamplingParams, StructuredSpec, is_int
+from cbrun.lora.adapters import LoRAAdapters
 
 Prompt = str | Sequence[int]
 
@@ -42,6 +44,7 @@ class Processor:
         grammars: GrammarCompiler,
         num_blocks: int,
         blocks_for: Callable[[int], int],
+        adapters: LoRAAdapters | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = spec.vocab_size
@@ -49,9 +52,19 @@ class Processor:
         self.grammars = grammars
         self.num_blocks = num_blocks
         self.blocks_for = blocks_for
+        self.adapters = adapters  # LoRA adapters by name (loaded on the loop thread; only their names are read)
 
-    def process(self, prompt: Prompt, sampling: object, request_id: str, stream: bool = False) -> list[Request]:
-        """One Request per sample (`n`), sharing one seed; each carries the reason it is refused, if it is."""
+    @classmethod
+    def serving(cls, core: EngineCore, tokenizer: Tokenizer | None) -> Processor:
+        """The processor in front of `core`: its model's limits, its cache's size, its grammars and adapters."""
+        cache = core.cache
+        return cls(tokenizer, core.spec, core.grammars, cache.pool.num_blocks, cache.max_blocks_for, core.adapters)
+
+    def process(
+        self, prompt: Prompt, sampling: object, request_id: str, stream: bool = False, lora: str | None = None
+    ) -> list[Request]:
+        """One Request per sample (`n`), sharing one seed; each carries the reason it is refused, if it is.
+        lora: the name of a loaded adapter to run it with."""
         error: str | None = None
         params = SamplingParams()
         try:
@@ -62,11 +75,34 @@ class Processor:
         if isinstance(ids, str):
             error, ids = error or ids, []
         if error is None:
-            error = self.validate(ids, params.max_tokens) or self.check_structured(params.structured)
+            error = (
+                self.validate(ids, params.max_tokens)
+                or self.check_structured(params.structured)
+                or self.check_lora(lora)
+            )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         return [
-            Request(request_id, index, ids, params, seed, 0, stream=stream, error=error) for index in range(params.n)
+            Request(request_id, index, ids, params, seed, 0, stream=stream, error=error, lora=lora)
+            for index in range(params.n)
         ]
+
+    def process_many(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: object,
+        request_ids: Sequence[str | None] | None,
+        loras: str | Sequence[str | None] | None,
+        new_id: Callable[[str | None], str],
+    ) -> list[list[Request]]:
+        """Each prompt's Requests; `sampling` and `loras` are one value for all prompts or a sequence with one
+        per prompt (ValueError when a sequence's length differs), `new_id` gives each its request id."""
+        count = len(prompts)
+        ids: list[str | None] = list(request_ids) if request_ids is not None else [None] * count
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * count
+        adapters: list[str | None] = [loras] * count if loras is None or isinstance(loras, str) else list(loras)
+        if not len(ids) == len(params) == len(adapters) == count:
+            raise ValueError("request_ids, per-prompt sampling and loras must have one entry per prompt")
+        return [self.process(p, s, new_id(rid), lora=a) for p, s, rid, a in zip(prompts, params, ids, adapters)]
 
     def process_score(
         self,
@@ -76,6 +112,7 @@ class Processor:
         samples: Sequence[int] | None,
         prompt_logprobs: bool,
         top_logprobs: int,
+        lora: str | None = None,
     ) -> list[Request]:
         """One scoring Request per completion (sample `samples[i]`, default i); raises ValueError for
         arguments that are wrong for every completion (the samples, top_logprobs)."""
@@ -85,7 +122,7 @@ class Processor:
         if not is_int(top_logprobs) or top_logprobs < 0:
             raise ValueError(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
         tokenized = self.tokenize(prompt)
-        prompt_error = tokenized if isinstance(tokenized, str) else None
+        prompt_error = tokenized if isinstance(tokenized, str) else self.check_lora(lora)
         ids: list[int] = [] if isinstance(tokenized, str) else tokenized  # an error is never empty text
         params = SamplingParams(max_tokens=1, top_logprobs=top_logprobs)
         requests = []
@@ -96,7 +133,7 @@ class Processor:
             score = ScoreParams(
                 tuple(tokens) if error is None and not isinstance(tokens, str) else (), prompt_logprobs, top_logprobs
             )
-            requests.append(Request(request_id, sample, ids, params, 0, 0, score=score, error=error))
+            requests.append(Request(request_id, sample, ids, params, 0, 0, score=score, error=error, lora=lora))
         return requests
 
     def tokenize(self, prompt: Prompt) -> list[int] | str:
@@ -147,6 +184,17 @@ class Processor:
             )
         return error
 
+    def check_lora(self, lora: str | None) -> str | None:
+        """Why adapter `lora` cannot run, or None (no adapter, or a loaded one)."""
+        if lora is None:
+            return None
+        if self.adapters is None:
+            return f"LoRA adapter {lora!r} asked for but LoRA is not enabled (start the engine with enable_lora)"
+        if lora not in self.adapters.adapters:
+            loaded = ", ".join(sorted(self.adapters.adapters)) or "none"
+            return f"unknown LoRA adapter {lora!r} (loaded: {loaded})"
+        return None
+
     def check_structured(self, structured: StructuredSpec | None) -> str | None:
         """Why a structured-output constraint cannot be enforced, or None (compiled once per distinct one)."""
         return None if structured is None else self.grammars.check(structured)
@@ -161,3 +209,9 @@ def as_params(sampling: object) -> SamplingParams:
     if isinstance(sampling, dict):
         return SamplingParams(**sampling)
     raise TypeError(f"sampling must be SamplingParams or dict, got {type(sampling).__name__}")
+
+
+def submission_order(group: list[Request]) -> list[int]:
+    """Submission order of many prompts: by token ids (a scored completion's included), so that shared
+    prefixes are adjacent in the queue."""
+    return group[0].all_token_ids if group else []

@@ -76,6 +76,7 @@ class GenerationOutput:
     structured_complete: bool | None = None  # with a constraint: did the output complete its grammar?
     weight_versions: list[int] = field(default_factory=list)  # one per token (scoring: per logprob)
     weight_version: int = 0
+    lora: str | None = None  # the LoRA adapter it ran, by name (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -153,6 +154,8 @@ class Request:
     stop_ids: tuple[int, ...] = ()  # ids that end it (stop_token_ids, EOS unless ignore_eos), set when added
     weight_versions: list[int] = field(default_factory=list)  # the weights' version of each token (or logprob)
     weight_version: int = 0  # the last token's version, or the version at its end without one (set at finish)
+    lora: str | None = None  # the LoRA adapter it runs (by name), or None: the base model
+    cache_salt: bytes | None = None  # roots its prefix-cache hash chain: its adapter's K/V is not the base model's
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -287,6 +290,7 @@ class Request:
             prompt_logprobs=prompt,
             weight_versions=list(self.weight_versions),
             weight_version=self.weight_version,
+            lora=self.lora,
         )
 
     def _generation_output(self) -> GenerationOutput:
@@ -307,4 +311,5 @@ class Request:
             structured_complete=None if self.grammar is None else self.grammar.accepting,
             weight_versions=list(self.weight_versions),
             weight_version=self.weight_version,
+            lora=self.lora,
         )

@@ -198,7 +198,11 @@ class Scheduler:
                 self._attach_prefix(request)
             count = min(request.num_uncomputed, budget)
             produces = self.cache.hashes_between(
-                request.key, request.all_token_ids, request.num_computed_tokens, request.num_tokens - 1
+                request.key,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.num_tokens - 1,
+                request.cache_salt,
             )
             if produces and produces[0] in inflight:
                 self.cache.free(request.key)
@@ -226,7 +230,11 @@ class Scheduler:
         for request, count in batch.items:
             if count > 1:
                 start = request.num_computed_tokens
-                hashes.update(self.cache.hashes_between(request.key, request.all_token_ids, start, start + count))
+                hashes.update(
+                    self.cache.hashes_between(
+                        request.key, request.all_token_ids, start, start + count, request.cache_salt
+                    )
+                )
         return hashes
 
     def _allocate_for_admission(self, request: Request, num_tokens: int) -> bool:
@@ -240,7 +248,7 @@ class Scheduler:
         return False
 
     def _attach_prefix(self, request: Request) -> None:
-        hit = self.cache.match_prefix(request.key, request.prefix_match_ids)
+        hit = self.cache.match_prefix(request.key, request.prefix_match_ids, request.cache_salt)
         request.num_computed_tokens = hit
         if hit and request.num_cached_tokens == 0 and request.is_fresh:
             request.num_cached_tokens = hit

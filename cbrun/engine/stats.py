@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cbrun.engine.request import RequestStatus
+
+if TYPE_CHECKING:
+    from cbrun.engine.cache.block_pool import BlockPool
+    from cbrun.engine.cache.offload import PreemptionCounters
+    from cbrun.engine.scheduler import Scheduler
 
 
 @dataclass
@@ -55,3 +64,21 @@ class StatsSnapshot:
     @property
     def mean_decode_batch(self) -> float:
         return self.decode_batch_tokens / self.decode_steps if self.decode_steps else 0.0
+
+
+def snapshot(
+    counters: StatsSnapshot, scheduler: Scheduler, pool: BlockPool, preemptions: PreemptionCounters, started: float
+) -> StatsSnapshot:
+    """A copy of the core's running counters with the queues' and the cache's occupancy filled in."""
+    snap = StatsSnapshot(**{k: v for k, v in vars(counters).items() if k != "extra"})
+    snap.pending = sum(1 for r in scheduler.waiting if r.status is not RequestStatus.OFFLOADED)
+    snap.offloaded = sum(1 for r in scheduler.waiting if r.status is RequestStatus.OFFLOADED)
+    snap.prefilling = sum(1 for r in scheduler.running if r.is_prefilling)
+    snap.decoding = len(scheduler.running) - snap.prefilling
+    snap.blocks_used = pool.num_used
+    snap.blocks_cached = pool.num_cached
+    snap.blocks_free = pool.num_free - pool.num_cached
+    snap.prefix_hit_tokens = scheduler.prefix_hit_tokens
+    snap.offloads, snap.restores, snap.soft_resets = preemptions.offloads, preemptions.restores, preemptions.soft_resets
+    snap.elapsed_s = time.perf_counter() - started
+    return snap

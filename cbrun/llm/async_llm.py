@@ -52,8 +52,8 @@ class AsyncLLM:
         """Yield the request's RequestOutput after each new token (cumulative: all tokens so far, every
         sample that has begun), the last one with `finished` True. An abort ends it with finish_reason
         "abort"; closing or cancelling the generator aborts the request, as vLLM's does."""
-        if lora_request is not None or priority != 0:
-            raise UnsupportedFieldError("AsyncLLM.generate: lora_request and priority are not supported by cbrun")
+        if priority != 0:
+            raise UnsupportedFieldError("AsyncLLM.generate: priority is not supported by cbrun")
         if not isinstance(prompt, (str, dict)):
             raise TypeError("prompt must be a string or a prompt dict ({'prompt': ...} or {'prompt_token_ids': ...})")
         params = sampling_params
@@ -68,6 +68,8 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already running")
         [(text, ids)] = encode_prompts([prompt], self.llm.tokenizer)
         engine_params = self.llm.engine_params(0, ids, params)
+        [adapter] = self.llm.adapters.per_prompt(lora_request, 1)  # loaded on first use (a file read)
+        lora = adapter.lora_name if adapter is not None else None
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
 
@@ -78,7 +80,7 @@ class AsyncLLM:
         self._running.add(request_id)
         stream = _Cumulative(self.llm, request_id, text, ids, params)
         try:
-            self.llm.engine.add_request(ids, engine_params, request_id, on_chunk=sink)
+            self.llm.engine.add_request(ids, engine_params, request_id, on_chunk=sink, lora=lora)
             while not stream.finished:
                 stream.add(await chunks.get())
                 yield stream.output()

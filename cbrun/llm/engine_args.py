@@ -23,6 +23,9 @@ TRANSLATED = {
     "max_num_batched_tokens": "max_batch_tokens",
     "block_size": "page_size",
     "num_gpu_blocks_override": "num_blocks",
+    "enable_lora": "enable_lora",
+    "max_lora_rank": "max_lora_rank",
+    "max_loras": "max_loras",
 }
 
 # vLLM option -> (neutral value(s), why cbrun cannot honour another)
@@ -37,7 +40,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "trust_remote_code": ((False,), "cbrun drives stock transformers models only"),
     "cpu_offload_gb": ((0, 0.0), "cbrun keeps the weights in memory (sleep(level=2) parks them between rollouts)"),
     "kv_cache_dtype": (("auto",), "the KV cache holds the model's dtype"),
-    "enable_lora": ((False,), "cbrun has no LoRA adapters"),
     "tokenizer_mode": (("auto",), "cbrun loads the tokenizer transformers picks"),
     "skip_tokenizer_init": ((False,), "cbrun needs the tokenizer"),
     "hf_overrides": ((None,), "cbrun loads the model's config as it is"),

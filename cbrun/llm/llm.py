@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cbrun.engine import Engine, EngineConfig, GenerationOutput
@@ -34,9 +34,11 @@ from cbrun.engine.sampling_params import SamplingParams as EngineSampling
 from cbrun.engine.weights import WeightSource
 from cbrun.llm.engine_args import engine_config as translate_options
 from cbrun.llm.inputs import ChatOptions, as_prompt_list, encode_prompts, per_prompt, render_chats
+from cbrun.llm.lora import LLMAdapters, names
 from cbrun.llm.outputs import OutputBuilder, RequestOutput
 from cbrun.llm.params import SamplingParams, UnsupportedFieldError
 from cbrun.llm.progress import PromptProgress
+from cbrun.lora.request import LoRARequest
 
 
 class LLM:
@@ -75,6 +77,7 @@ class LLM:
 
             tok = AutoTokenizer.from_pretrained(tokenizer, revision=tokenizer_revision)
         self.engine = Engine(loaded, tok, config)
+        self.adapters = LLMAdapters(self.engine)  # LoRA (enable_lora=True): lora_request= and the *_lora methods
         self.tokenizer = tok
         self.max_model_len = min(max_model_len or self.engine.max_context, self.engine.max_context)
         self._seeds = random.Random(seed) if seed is not None else None
@@ -93,10 +96,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete each prompt (text, {"prompt": ...}, {"prompt_token_ids": [...]}, or a list of them);
         one RequestOutput per prompt, in input order."""
-        _refuse("lora_request", lora_request)
         _refuse("priority", priority)
         prompts = as_prompt_list(prompts)
-        return self._run(encode_prompts(prompts, self.tokenizer), per_prompt(sampling_params, len(prompts)), use_tqdm)
+        loras = self.adapters.per_prompt(lora_request, len(prompts))
+        items = encode_prompts(prompts, self.tokenizer)
+        return self._run(items, per_prompt(sampling_params, len(prompts)), use_tqdm, loras)
 
     def chat(
         self,
@@ -122,7 +126,6 @@ class LLM:
         previous output's prompt_token_ids + its completion's token_ids); `messages` are then only the new
         ones, rendered after them and appended, so no earlier token is re-tokenized (data/follow_up.py).
         """
-        _refuse("lora_request", lora_request)
         _refuse("mm_processor_kwargs", mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise UnsupportedFieldError(
@@ -131,36 +134,53 @@ class LLM:
             )
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template, tools, chat_template_kwargs)
         items = render_chats(self.tokenizer, messages, history_token_ids, options)
-        return self._run(items, per_prompt(sampling_params, len(items)), use_tqdm)
+        loras = self.adapters.per_prompt(lora_request, len(items))
+        return self._run(items, per_prompt(sampling_params, len(items)), use_tqdm, loras)
 
     def _run(
-        self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: Any
+        self,
+        items: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        use_tqdm: Any,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         rids = [str(next(self._ids)) for _ in items]  # as vLLM's LLM numbers them: abort() takes these
         engine_params = [self.engine_params(index, ids, p) for index, ((_, ids), p) in enumerate(zip(items, params))]
         self._live.update(zip(rids, params))
         try:
-            self.engine.add_requests([ids for _, ids in items], engine_params, rids)
-            return self._finish_run(rids, items, params, use_tqdm)
+            self.engine.add_requests([ids for _, ids in items], engine_params, rids, names(loras))
+            return self._finish_run(rids, items, params, use_tqdm, dict(zip(rids, loras)))
         finally:
             for rid in rids:
                 self._live.pop(rid, None)
 
     def _finish_run(
-        self, rids: list[str], items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: Any
+        self,
+        rids: list[str],
+        items: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        use_tqdm: Any,
+        loras: dict[str, LoRARequest | None],
     ) -> list[RequestOutput]:
+        """Prompt logprobs and rescoring run each prompt's adapter too (its logprobs are the adapted model's)."""
         scored: dict[str, GenerationOutput | None] = {}
         for rid, (_, ids), p in zip(rids, items, params):
             if p.prompt_logprobs is not None and len(ids) > 1:
                 k = _count(p.prompt_logprobs, self.engine.vocab_size)
-                self.engine.add_score_request(ids[:1], [ids[1:]], f"{rid}/prompt", top_logprobs=k)
+                lora = names([loras[rid]])[0]
+                self.engine.add_score_request(ids[:1], [ids[1:]], f"{rid}/prompt", top_logprobs=k, lora=lora)
                 scored[rid] = None
         samples = self._collect(rids, params, scored, use_tqdm)
-        raw = self._raw_logprobs(rids, items, params, samples)
-        return [
+        raw = self._raw_logprobs(rids, items, params, samples, loras)
+        outputs = [
             self._request_output(rid, text, ids, p, samples[rid], scored.get(rid), raw)
             for rid, (text, ids), p in zip(rids, items, params)
         ]
+        for output in outputs:
+            output.lora_request = loras[output.request_id]
+            for completion in output.outputs:
+                completion.lora_request = output.lora_request
+        return outputs
 
     def engine_params(self, index: int, ids: list[int], params: SamplingParams) -> EngineSampling:
         """The engine's parameters for prompt `index` (its ids): max_tokens within max_model_len, a seed."""
@@ -214,6 +234,7 @@ class LLM:
         items: list[tuple[str | None, list[int]]],
         params: list[SamplingParams],
         samples: dict[str, list[GenerationOutput]],
+        loras: dict[str, LoRARequest | None],
     ) -> dict[tuple[str, int], GenerationOutput]:
         """(rid, sample) -> teacher-forced logprobs at temperature 1 for samples drawn at another
         temperature: vLLM reports raw logprobs, the engine the tempered ones it drew from."""
@@ -230,6 +251,7 @@ class LLM:
                 f"{rid}/raw",
                 samples=[o.sample_index for o in outs],
                 top_logprobs=_count(p.logprobs or 0, self.engine.vocab_size),  # todo holds rows with logprobs
+                lora=names([loras[rid]])[0],
             )
         raw: dict[tuple[str, int], GenerationOutput] = {}
         for _ in range(sum(len(outs) for *_, outs in todo)):
@@ -323,6 +345,32 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    # -- LoRA adapters (LLM(enable_lora=True)) -------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load the adapter now (generate loads it on first use anyway)."""
+        self.adapters.ensure(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.adapters.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.engine.loras.list().values())
+
+    def update_lora(
+        self,
+        name: str,
+        state_dict: Mapping[str, Any],
+        *,
+        config: Mapping[str, Any] | None = None,
+        lora_int_id: int | None = None,
+        pause_mode: str | None = None,
+    ) -> None:
+        """Replace adapter `name`'s A and B in place from a PEFT state dict (get_peft_model_state_dict), no file;
+        an adapter not loaded yet is added from it with `config` (lora_alpha at least). As update_weights:
+        between rollouts, paused, or with `pause_mode`."""
+        self.adapters.update(name, state_dict, config, lora_int_id, pause_mode)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

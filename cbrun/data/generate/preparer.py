@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from cbrun.data.constraints import row_constraint
 from cbrun.data.prompts import PromptPreparer
 from cbrun.data.reader import RawRow
-from cbrun.data.rows import BadRow, ParsedRow, record_id
+from cbrun.data.rows import BadRow, ParsedRow, record_id, row_lora
 from cbrun.engine.config import ConfigError
 from cbrun.engine.sampling_params import SamplingParams
 
@@ -91,11 +91,14 @@ class GeneratePreparer(PromptPreparer):
         if constraint is not None:
             sampling = sampling.with_(structured=constraint)
 
+        lora, lora_error = row_lora(record)
+        if lora_error:
+            return bad(lora_error)
         source = self._prompt_source(record)
         if isinstance(source, str):
             return bad(source)
         kind, field_name, value = source
-        return ParsedRow(raw.index, row_id, where, kind, field_name, value, sampling, keep, meta)
+        return ParsedRow(raw.index, row_id, where, kind, field_name, value, sampling, keep, meta, lora=lora)
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -39,5 +39,5 @@ class GenerateRows:
         assert token_ids is not None  # tokenized, not yet submitted
         if not self.keep_prompt_ids:
             row.token_ids = None  # the engine holds its own copy; in-flight rows stay small
-        engine.add_request(token_ids, row.sampling, request_id=request_id)
+        engine.add_request(token_ids, row.sampling, request_id=request_id, lora=row.lora)
         return list(range(row.sampling.n))

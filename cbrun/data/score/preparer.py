@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from cbrun.data.prompts import PromptPreparer
 from cbrun.data.reader import RawRow
-from cbrun.data.rows import BadRow, ParsedRow, RowT, record_id
+from cbrun.data.rows import BadRow, ParsedRow, RowT, record_id, row_lora
 from cbrun.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -118,6 +118,9 @@ class ScorePreparer(PromptPreparer):
             first = self._seen_pairs.setdefault((row_id, sample), raw.index)
             if first != raw.index:
                 return bad(f"id: duplicate (id, sample) ({row_id!r}, {sample}) (first used by row {first})")
+        lora, lora_error = row_lora(record)
+        if lora_error:
+            return bad(lora_error)
         source = self._score_prompt_source(record)
         if isinstance(source, str):
             return bad(source)
@@ -135,6 +138,7 @@ class ScorePreparer(PromptPreparer):
             samples=samples,
             completion_field=field_name,
             completions=completions,
+            lora=lora,
         )
 
     def _score_prompt_source(self, record: dict) -> tuple[str, str, Any] | str:

@@ -40,6 +40,7 @@ class ScoreRows:
             samples=samples,
             prompt_logprobs=self.prompt_logprobs,
             top_logprobs=self.top_logprobs,
+            lora=row.lora,
         )
         row.token_ids, row.completion_ids = None, None  # the engine holds its own copies
         return samples

@@ -67,18 +67,20 @@ class FullAttentionAllocator(_TableAllocator):
         self.share_prefixes = share_prefixes
         self._hashes: dict[RequestKey, list[bytes]] = {}
 
-    def match_prefix(self, key: RequestKey, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, key: RequestKey, token_ids: Sequence[int], salt: bytes | None = None) -> int:
         """Attach cached blocks for the longest hashed prefix; returns tokens reused.
 
         The last token is never matched: its logits are needed, so at least
-        one token is always computed.
+        one token is always computed. `salt` roots the hash chain: K/V that
+        another computation made (a LoRA adapter's) never matches the base
+        model's or another adapter's.
         """
         if not self.share_prefixes or self.tables.get(key):
             return 0
         page = self.page_size
         hashes: list[bytes] = []
         blocks: list[int] = []
-        parent = None
+        parent = salt
         for start in range(0, len(token_ids) - 1 - page + 1, page):
             tokens = token_ids[start : start + page]
             block_hash = chain_hash(parent, tokens)
@@ -94,8 +96,8 @@ class FullAttentionAllocator(_TableAllocator):
         self._hashes[key] = hashes
         return len(blocks) * page
 
-    def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int) -> None:
-        """Hash and register every block whose tokens are now all computed."""
+    def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int, salt: bytes | None = None) -> None:
+        """Hash and register every block whose tokens are now all computed (the chain rooted at `salt`)."""
         if not self.share_prefixes:
             return
         table = self.tables.get(key, [])
@@ -104,17 +106,19 @@ class FullAttentionAllocator(_TableAllocator):
         while len(hashes) < min(num_computed // page, len(table)):
             index = len(hashes)
             tokens = token_ids[index * page : (index + 1) * page]
-            block_hash = chain_hash(hashes[-1] if hashes else None, tokens)
+            block_hash = chain_hash(hashes[-1] if hashes else salt, tokens)
             self.pool.register(table[index], block_hash, tokens)
             hashes.append(block_hash)
 
-    def hashes_between(self, key: RequestKey, token_ids: Sequence[int], start: int, end: int) -> list[bytes]:
+    def hashes_between(
+        self, key: RequestKey, token_ids: Sequence[int], start: int, end: int, salt: bytes | None = None
+    ) -> list[bytes]:
         """Chain hashes of the full blocks lying in tokens [start, end) (start on a block boundary)."""
         if not self.share_prefixes or start % self.page_size:
             return []
         known = self._hashes.get(key, [])
         page = self.page_size
-        parent = known[start // page - 1] if start and len(known) >= start // page else None
+        parent = (known[start // page - 1] if len(known) >= start // page else None) if start else salt
         if start and parent is None:
             return []
         out = []
@@ -159,14 +163,14 @@ class SlidingWindowAllocator(_TableAllocator):
         self.first_page.setdefault(key, 0)
         return super().allocate(key, num_tokens)
 
-    def match_prefix(self, key: RequestKey, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, key: RequestKey, token_ids: Sequence[int], salt: bytes | None = None) -> int:
         return 0
 
     def adopt(self, key: RequestKey, blocks: list[int], first_page: int = 0) -> None:
         self.tables[key] = list(blocks)
         self.first_page[key] = first_page
 
-    def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int) -> None:
+    def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int, salt: bytes | None = None) -> None:
         """Release pages that no future query can attend to."""
         table = self.tables.get(key)
         if not table:
@@ -225,14 +229,14 @@ class KVCacheManager:
             assert ok, "pool shrank between check and allocation"
         return True
 
-    def match_prefix(self, key: RequestKey, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, key: RequestKey, token_ids: Sequence[int], salt: bytes | None = None) -> int:
         if not self.sharing:
             return 0
-        return self.allocators["full"].match_prefix(key, token_ids)
+        return self.allocators["full"].match_prefix(key, token_ids, salt)
 
-    def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int) -> None:
+    def commit(self, key: RequestKey, token_ids: Sequence[int], num_computed: int, salt: bytes | None = None) -> None:
         for allocator in self.allocators.values():
-            allocator.commit(key, token_ids, num_computed)
+            allocator.commit(key, token_ids, num_computed, salt)
 
     def free(self, key: RequestKey) -> None:
         for allocator in self.allocators.values():
@@ -241,12 +245,14 @@ class KVCacheManager:
     def blocks_of(self, key: RequestKey) -> dict[str, list[int]]:
         return {name: list(a.table(key)) for name, a in self.allocators.items()}
 
-    def hashes_between(self, key: RequestKey, token_ids: Sequence[int], start: int, end: int) -> list[bytes]:
+    def hashes_between(
+        self, key: RequestKey, token_ids: Sequence[int], start: int, end: int, salt: bytes | None = None
+    ) -> list[bytes]:
         if not self.sharing:
             return []
         full = self.allocators["full"]
         assert isinstance(full, FullAttentionAllocator)  # sharing implies no sliding window: "full" is one
-        return full.hashes_between(key, token_ids, start, end)
+        return full.hashes_between(key, token_ids, start, end, salt)
 
     def exclusive_blocks(self, key: RequestKey) -> int:
         """Blocks that freeing this request would return to the pool."""

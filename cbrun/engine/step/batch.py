@@ -36,6 +36,8 @@ from cbrun.engine.cache.kv_cache import KVCacheManager
 from cbrun.engine.cache.kv_store import KVStore
 from cbrun.engine.request import Request
 from cbrun.engine.step.device_copy import to_device
+from cbrun.lora.adapters import LoRAAdapters
+from cbrun.lora.step import StepLoRA
 
 
 @dataclass
@@ -65,6 +67,7 @@ class PagedBatch:
     layer_groups: tuple[str, ...]  # attention type of each layer: "full" or "sliding"
     score_indices: torch.Tensor | None = None  # [S] flat index of each position a scoring request keeps
     scored: list[tuple[Request, int, int]] = field(default_factory=list, metadata=HOST_ONLY)  # (request, first, count)
+    lora: StepLoRA | None = field(default=None, metadata=HOST_ONLY)  # the tokens that run LoRA adapters, if any
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +94,7 @@ class BatchBuilder:
         self.page_size = page_size
         self.window = sliding_window
         self.device = device
+        self.adapters: LoRAAdapters | None = None  # the engine's LoRA adapters, when it has them
 
     def build(self, items: list[tuple[Request, int]]) -> PagedBatch:
         metadata = self.metadata
@@ -103,8 +107,11 @@ class BatchBuilder:
         sampled: list[Request] = []
         score_rows: list[int] = []
         scored: list[tuple[Request, int, int]] = []
+        lora_rows: dict[str, list[int]] = {}
         for request, count in items:
             start = request.num_computed_tokens
+            if request.lora is not None:
+                lora_rows.setdefault(request.lora, []).extend(range(len(ids), len(ids) + count))
             ids.extend(request.all_token_ids[start : start + count])
             positions.extend(range(start, start + count))
             if request.score is not None:  # scoring: keep every wanted position, sample nothing
@@ -128,6 +135,7 @@ class BatchBuilder:
             layer_groups=self.layer_groups,
             score_indices=torch.tensor(score_rows, dtype=torch.long),
             scored=scored,
+            lora=self.adapters.step(lora_rows, len(ids)) if self.adapters is not None and lora_rows else None,
         )
         return to_device(batch, self.device)
 

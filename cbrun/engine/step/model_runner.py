@@ -22,6 +22,8 @@ from cbrun.engine.backends.base import Backend
 from cbrun.engine.model_spec import CausalLM
 from cbrun.engine.step.attention import BACKEND_KWARG, BATCH_KWARG
 from cbrun.engine.step.batch import PagedBatch
+from cbrun.lora.adapters import LoRAAdapters
+from cbrun.lora.step import LORA_KWARG
 
 # config attributes by which a causal LM transforms logits after its head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -48,15 +50,22 @@ class StepLogits:
 class ModelRunner:
     """Runs one forward pass per step and returns fp32 logits of sampled rows."""
 
-    def __init__(self, model: CausalLM, backend: Backend) -> None:
+    def __init__(self, model: CausalLM, backend: Backend, adapters: LoRAAdapters | None = None) -> None:
         self.model = model
         self.backend = backend
+        self.adapters = adapters  # LoRA: the step's adapted rows reach the fused layers as a kwarg, the rest by hooks
         self.keeps_logits = bool(getattr(model, "_supports_logits_to_keep", lambda: False)())
         self.head = _plain_head(model)
 
     @torch.inference_mode()
     def forward(self, batch: PagedBatch) -> StepLogits:
         """Logits [N, V] (fp32) at each sampled sequence's last token, plus the score rows."""
+        if batch.lora is None or self.adapters is None:
+            return self._forward(batch)
+        with self.adapters.active(batch.lora):
+            return self._forward(batch)
+
+    def _forward(self, batch: PagedBatch) -> StepLogits:
         kwargs = {
             "input_ids": batch.input_ids,  # [1, T]
             "position_ids": batch.position_ids,  # [1, T]
@@ -64,6 +73,8 @@ class ModelRunner:
             BATCH_KWARG: batch,
             BACKEND_KWARG: self.backend,
         }
+        if batch.lora is not None:
+            kwargs[LORA_KWARG] = batch.lora
         num_sampled = len(batch.logits_indices)
         score_indices = batch.score_indices if batch.score_indices is not None else batch.logits_indices[:0]
         if not num_sampled and not len(score_indices):

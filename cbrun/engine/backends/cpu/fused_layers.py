@@ -39,6 +39,7 @@ from cbrun.engine.backends.cpu.fused_probe import INT8_PROBE_TOLERANCE, probe, p
 from cbrun.engine.backends.cpu.held_weights import HeldWeights
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.model_spec import CausalLM
+from cbrun.lora.step import LORA_KWARG, StepLoRA
 
 if TYPE_CHECKING:
     from cbrun.engine.backends.cpu.kernels import CpuKernels
@@ -215,13 +216,27 @@ def fused_forward(
             hidden_states, attention_mask=attention_mask, position_embeddings=position_embeddings, **kwargs
         )
     assert plan.o_method is not None and plan.gated_method is not None and plan.down_method is not None  # installed
+    lora: StepLoRA | None = kwargs.pop(LORA_KWARG, None)  # the step's rows that run LoRA adapters (lora/step.py)
     x = hidden_states[0].float()  # [T, hidden] fp32 (bf16 widens exactly): the residual stream within the layer
     normed, _ = kernels.rmsnorm(x, plan.input_norm.weight, plan.input_norm.eps)
-    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, kwargs)  # [T, H * D]
+    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, kwargs, lora)
     projected = plan.o_method(attended, torch.float32)  # [T, hidden]
+    if lora is not None:
+        lora.add(plan.o_proj, attended, projected)
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
     gated = plan.gated_method(normed, plan.dtype)  # [T, I]: the down projection reads it in the model's dtype
-    return (residual + plan.down_method(gated, torch.float32)).to(plan.dtype).unsqueeze(0)
+    if lora is not None and lora.adapts(plan.gate, plan.up):
+        sums = functools.partial(_member_sums, plan.gated_method)
+        lora.add_gated(plan.gate, plan.up, normed, gated, sums, kernels.silu_mul)
+    down = plan.down_method(gated, torch.float32)  # [T, hidden]
+    if lora is not None:
+        lora.add(plan.down, gated, down)
+    return (residual + down).to(plan.dtype).unsqueeze(0)
+
+
+def _member_sums(method: LayerMethod, index: int, x: torch.Tensor) -> torch.Tensor:
+    """A gated method's gate (0) or up (1) sums alone, fp32 [M, I], bias included."""
+    return method.member(index, x, torch.float32)
 
 
 def _fused_call(
@@ -239,12 +254,18 @@ def _attention(
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None,
     kwargs: dict[str, Any],
+    lora: StepLoRA | None = None,
 ) -> torch.Tensor:
     """normed [T, hidden] -> attention output [T, H * D] through the model's attention function."""
     tokens = normed.shape[0]
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
     assert plan.qkv_method is not None  # made at install
     qkv = plan.qkv_method(normed, torch.float32)  # [T, (H + 2 H_kv) D] fp32 sums
+    if lora is not None:
+        start = 0
+        for linear in plan.qkv:  # each member's columns, before the head norms and rotary
+            lora.add(linear, normed, qkv[:, start : start + linear.out_features])
+            start += linear.out_features
     if plan.q_norm is not None:
         assert plan.k_norm is not None  # the head norms come as a pair
         qkv[:, : heads * dim], _ = kernels.rmsnorm(qkv[:, : heads * dim], plan.q_norm.weight, plan.q_norm.eps)
