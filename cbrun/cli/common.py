@@ -80,14 +80,15 @@ def lora_modules(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
     directory."""
     pairs = []
     for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name.strip() or not path.strip():
+        name, sep, path = (part.strip() for part in value.partition("="))
+        if not sep or not name or not path:
             raise CliError(f"--lora {value!r}: expected NAME=PATH (a name for rows to use, a PEFT adapter directory)")
-        if not os.path.isdir(os.path.expanduser(path)):
+        path = os.path.expanduser(path)
+        if not os.path.isdir(path):
             raise CliError(
                 f"--lora {value!r}: {path!r} is not a directory (a PEFT adapter's, with adapter_config.json)"
             )
-        pairs.append((name.strip(), os.path.expanduser(path)))
+        pairs.append((name, path))
     return tuple(pairs)
 
 

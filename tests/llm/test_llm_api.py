@@ -269,7 +269,7 @@ def test_bad_prompts_and_per_prompt_params_are_clear_errors(llm):
         llm.generate({"prompt": "a", "multi_modal_data": {}}, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt 0: token id 9999"):
         llm.generate({"prompt_token_ids": [1, 9999]}, use_tqdm=False)
-    with pytest.raises(UnsupportedFieldError, match="lora_request"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.generate("a", lora_request=object(), use_tqdm=False)
 
 

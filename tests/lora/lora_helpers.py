@@ -19,7 +19,11 @@ def random_pairs(model, seed: int, rank: int = 8, targets=TARGETS, zero_b: bool 
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in targets:
             a = torch.randn(rank, module.in_features, generator=gen) * scale
-            b = torch.zeros(module.out_features, rank) if zero_b else torch.randn(module.out_features, rank, generator=gen)
+            b = (
+                torch.zeros(module.out_features, rank)
+                if zero_b
+                else torch.randn(module.out_features, rank, generator=gen)
+            )
             pairs[name] = (a, b * scale)
     return pairs
 

@@ -190,13 +190,15 @@ def test_bad_adapters_and_requests_are_refused_with_the_reason(tiny_llama_dir, t
             pairs = {"model.norm": (torch.zeros(2, 4), torch.zeros(4, 2))}
             engine.loras.add("norm", state_dict(pairs), config=CONFIG)
         with pytest.raises(AdapterError, match="no module"):
-            engine.loras.add("ghost", state_dict({"model.nowhere": (torch.zeros(2, 4), torch.zeros(4, 2))}), config=CONFIG)
+            engine.loras.add(
+                "ghost", state_dict({"model.nowhere": (torch.zeros(2, 4), torch.zeros(4, 2))}), config=CONFIG
+            )
         with pytest.raises(AdapterError, match="need config"):
             engine.loras.add("x", state_dict(random_pairs(model, 1)))
-        with pytest.raises(AdapterError, match="no adapter_config.json"):
+        with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
             engine.loras.add("x", tmp_path)
         wrong = {"model.layers.0.self_attn.q_proj": (torch.zeros(8, 3), torch.zeros(5, 8))}
-        with pytest.raises(AdapterError, match="is \\[.*\\] but the adapter has"):
+        with pytest.raises(AdapterError, match=r"is \[.*\] but the adapter has"):
             engine.loras.add("x", state_dict(wrong), config=CONFIG)
         with pytest.raises(AdapterError, match="DoRA"):
             engine.loras.add("x", state_dict(random_pairs(model, 1)), config={**CONFIG, "use_dora": True})
