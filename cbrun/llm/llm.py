@@ -51,7 +51,8 @@ class LLM:
     max_model_len: cap on prompt + completion tokens. device: "auto", "cpu", "cuda".
     engine_config: cbrun's EngineConfig to start from; vLLM's engine options (`**options`:
     enable_prefix_caching, max_num_seqs, max_num_batched_tokens, block_size, swap_space,
-    gpu_memory_utilization, ...) are translated onto it (engine_args.py).
+    gpu_memory_utilization, enable_lora, max_lora_rank, max_loras, ...) are translated onto it
+    (engine_args.py). With enable_lora, generate and chat take `lora_request=` (cbrun/llm/lora.py).
     """
 
     def __init__(

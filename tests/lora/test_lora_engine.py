@@ -238,3 +238,25 @@ def test_lora_adapters_take_hooks_off_the_model_when_closed(tiny_llama_dir):
     assert len(hooked) == 14  # 7 linears in each of 2 layers
     adapters.close()
     assert not any(m._forward_hooks for m in model.modules())
+
+
+@needs_kernels
+def test_adapters_survive_sleep_and_wake_and_run_over_int8_weights(tiny_llama_dir):
+    prompts = random_prompts(512, [18, 7], seed=8)
+    params = SamplingParams(max_tokens=6, temperature=0.0, top_logprobs=1)
+    engine, model = _engine(tiny_llama_dir)
+    with engine:
+        engine.loras.add("x", state_dict(random_pairs(model, 2)), config=CONFIG)
+        before = _run(engine, [(prompts[0], "x"), (prompts[1], None)], params)
+        engine.sleep(level=2)
+        engine.wake_up()
+        after = _run(engine, [(prompts[0], "x"), (prompts[1], None)], params)
+        assert all(_same(a, b) for a, b in zip(before, after))
+    engine, model = _engine(tiny_llama_dir, "bfloat16", quantization="int8")
+    with engine:
+        engine.loras.add("x", state_dict(random_pairs(model, 2)), config=CONFIG)
+        engine.loras.add("y", state_dict(random_pairs(model, 3)), config=CONFIG)
+        items = [(prompts[0], "x"), (prompts[1], "y"), (prompts[0], None)]
+        together = _run(engine, items, params)
+        assert all(_same(crowd, _run(engine, [item], params)[0]) for item, crowd in zip(items, together))
+        assert together[0].logprobs != together[2].logprobs
