@@ -77,8 +77,15 @@ class FakeEngine:
         self.stats_calls = 0
 
     def add_request(
-        self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None, *, stream: bool = False
+        self,
+        prompt,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        stream: bool = False,
+        lora: str | None = None,
     ) -> str:
+        """As Engine.add_request; the fake has no adapters, so a row naming one fails as the engine's would."""
         if self.stopped:
             raise RuntimeError("engine is stopped; no new requests are accepted")
         sampling = sampling or SamplingParams()
@@ -89,6 +96,8 @@ class FakeEngine:
         error = "boom" if request_id in self.fail else None
         if len(ids) + sampling.max_tokens > self.max_context:
             error = "too long"
+        if lora is not None:
+            error = f"unknown LoRA adapter {lora!r} (loaded: none)"
         for sample in range(sampling.n):
             tokens = [] if error else fake_completion(ids, seed, sample, sampling.max_tokens)
             top = (
