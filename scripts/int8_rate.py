@@ -15,8 +15,9 @@ import time
 
 import torch
 
+from cbrun.engine.backends.cpu.cpu_facts import cpu_model
 from cbrun.engine.backends.cpu.int8_linear import INT8_METHODS
-from cbrun.engine.backends.cpu.kernels import cpu_model, load_cpu_kernels
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 from cbrun.engine.backends.cpu.linear_methods import DP_ISA, DP_TWIN
 
 

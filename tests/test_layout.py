@@ -16,12 +16,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "cbrun"
 MAX_LINES = 400
 
-# Being finished elsewhere (issue 32, items 2 and 3: the kernels behind a typed seam). Each entry must
-# still be true: the test fails when one is mended, so that it is taken off this list.
-KNOWN_CIRCLES = {
-    frozenset({"cbrun.engine.backends.cpu.attention_variant", "cbrun.engine.backends.cpu.kernels"}),
-}
-KNOWN_LARGE = {"cbrun/engine/backends/cpu/kernels.py"}
+# Known exceptions, each still true (the test fails when one is mended, so that it is taken off its list).
+KNOWN_CIRCLES: set[frozenset[str]] = set()
+KNOWN_LARGE: set[str] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -98,7 +98,7 @@ def measure_int8_gops(
     import torch
 
     from cbrun.engine.backends.cpu.int8_linear import INT8_METHODS
-    from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+    from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 
     generator = torch.Generator().manual_seed(0)
     layers = [(torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator)) for k, n in shapes]

@@ -54,7 +54,8 @@ def gather(policy: str = "portable") -> dict:
     """Everything `cbrun info` shows, as one JSON-able dict."""
     import torch
 
-    from cbrun.engine.backends.cpu.kernels import cpu_flags, cpu_model, load_cpu_kernels
+    from cbrun.engine.backends.cpu.cpu_facts import cpu_flags, cpu_model
+    from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 
     flags = set(cpu_flags().split())
     info: dict = {

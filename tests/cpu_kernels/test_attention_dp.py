@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.attention_variant import choose_attention_dp_variant, probe_scores
-from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
+from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
+from cbrun.engine.backends.cpu.isa_variants import choose_attention_dp_variant, probe_scores
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 
 
 def _tasks(seqs, page=16, segment=128, max_rows=16):

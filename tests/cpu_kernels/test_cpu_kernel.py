@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 from cbrun.engine.backends.torch_attention import TorchRows, decode as torch_decode
 
 kernels = load_cpu_kernels()

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 from cbrun.engine.backends.cpu.linear_methods import DP_TWIN, F32
 
 kernels = load_cpu_kernels()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, int8_kernels, quantize_weight
+from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, quantize_weight
 from cbrun.engine.backends.cpu.int8_linear import (
     INT8_AVX2,
     INT8_METHODS,
@@ -24,13 +24,14 @@ from cbrun.engine.backends.cpu.int8_linear import (
     Int8Method,
     int8_form,
 )
-from cbrun.engine.backends.cpu.kernels import KernelError, load_cpu_kernels
+from cbrun.engine.backends.cpu.kernel_abi import KernelError
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 from cbrun.engine.backends.cpu.method_selector import choose_linear_method
 from cbrun.engine.backends.cpu.self_check import Shape, check_method
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the compiled CPU kernels cannot be built here")
-i8 = int8_kernels(kernels) if kernels is not None else None
+i8 = kernels.int8 if kernels is not None else None
 ISA = ["avx2", "vnni", "amx"]
 VARIANTS = [
     pytest.param(v, marks=pytest.mark.skipif(i8 is None or not i8.variant_runs(v), reason=f"this CPU cannot run {v}"))

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
+from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 from cbrun.engine.backends.cpu.linear_methods import DP_ISA, DP_SCALAR, DP_TWIN, F32, LinearMethod
 from cbrun.engine.backends.cpu.method_selector import choose_linear_method
 from cbrun.engine.backends.cpu.self_check import Shape, check_method

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
+from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 from cbrun.models import load_model
 
 REFERENCE = Path(__file__).parents[1] / "fixtures" / "reference_bits.json"
@@ -92,7 +93,7 @@ from cbrun.engine.backends.cpu.linear_methods import DP_TWIN, F32
 from cbrun.engine.backends.cpu.int8_linear import INT8_AVX2
 method_selector._CANDIDATES[("portable", torch.bfloat16)] = [DP_TWIN]  # as on a CPU without AVX512-BF16
 method_selector._CANDIDATES[("portable", torch.int8)] = [INT8_AVX2]  # as on a CPU without VNNI or AMX
-from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 assert load_cpu_kernels().vector_width == 8, "not the AVX2 build"
 from cbrun.models import load_model
 import test_reference_bits as ref

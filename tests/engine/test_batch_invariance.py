@@ -16,7 +16,7 @@ from engine_helpers import random_prompts
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 from cbrun.models import load_model
 
 kernels = load_cpu_kernels()
@@ -59,7 +59,7 @@ def test_gated_and_multi_weight_linears_are_row_invariant(dtype):
 
 @needs_kernels
 def test_linear_refuses_what_it_cannot_compute():
-    from cbrun.engine.backends.cpu.kernels import KernelError
+    from cbrun.engine.backends.cpu.kernel_abi import KernelError
 
     x = torch.randn(3, 8)
     with pytest.raises(KernelError, match="weights in one call"):
@@ -193,7 +193,7 @@ def test_sliding_window_rows_are_the_same_in_a_chunk_and_alone(dtype):
 
 @needs_kernels
 def test_attend_refuses_inconsistent_tasks():
-    from cbrun.engine.backends.cpu.kernels import KernelError
+    from cbrun.engine.backends.cpu.kernel_abi import KernelError
 
     k_pool, v_pool = _pools(torch.float32)
     q = torch.randn(2, 4, 16)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.cpu.int8_kernels import quantize_weight
 from cbrun.engine.backends.cpu.int8_linear import PREQUANTIZED, Int8Linear
-from cbrun.engine.backends.cpu.kernels import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 from cbrun.models import ModelLoadError, load_model
 
 SCHEME = {

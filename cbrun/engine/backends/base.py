@@ -17,9 +17,10 @@ attention function (step/attention.py) asks the backend that the runner hands
 it. `Backend` names what the engine asks of any backend; the engine core, the
 step and the selector hold a backend by that protocol only. The torch backend
 here is the reference every other backend is tested against: plain torch ops
-on any device (torch_attention.py). The device backends (cpu/, cuda/) build on
-it and on the kernel row layout below, and import nothing else of this
-package; selector.py picks one by name.
+on any device (torch_attention.py). The device backends (cpu/, cuda/) are
+KernelBackends (kernel_backend.py): each supplies its compiled attention over
+the kernel row layout below, and holds this backend for the rest;
+selector.py picks one by name.
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ class TorchBackend:
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
-        """Query rows [H, R, D] over their own keys -> [R, H, D] (the torch path; kernels override)."""
+        """Query rows [H, R, D] over their own keys -> [R, H, D] (the torch path)."""
         assert isinstance(rows, torch_attention.TorchRows)  # laid out by the torch builder
         return torch_attention.decode(query, k_pool, v_pool, rows, scale, softcap)
 

@@ -5,7 +5,10 @@ routes the model's linear layers through the compiled linear kernel
 (linear.py), gives Llama-shaped decoder layers the fused forward
 (fused_layers.py) and decides once whether the compiled attention applies
 to the model; per step its metadata builder plans the attention tasks, and
-the kernels run.
+the kernels run. The "kernel layout or torch" dispatch of attention is
+KernelBackend's (kernel_backend.py); this backend supplies the compiled
+attention (CpuAttention) and what else it runs itself, and reaches the torch
+reference through `self.reference` where it runs nothing of its own.
 Every kernel gives a row the same bits whatever else is in its step (batch
 invariance), so what this backend computes for a request never depends on
 its neighbours.
@@ -17,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from cbrun.engine.backends.base import BackendUnavailable, KernelRows, TorchBackend, metadata_builder_for
+from cbrun.engine.backends.base import BackendUnavailable, KernelRows
 from cbrun.engine.backends.cpu.attention_tasks import plan_tasks
 from cbrun.engine.backends.cpu.fused_layers import LayerPlan, install_fused_layers
 from cbrun.engine.backends.cpu.held_weights import HeldWeights
@@ -25,7 +28,8 @@ from cbrun.engine.backends.cpu.kernels import CpuKernels
 from cbrun.engine.backends.cpu.linear import install_linear_methods, linear_shapes
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.backends.cpu.method_selector import MethodChoice, choose_linear_method
-from cbrun.engine.backends.metadata import RowLayout, SequenceRows
+from cbrun.engine.backends.kernel_backend import KernelBackend
+from cbrun.engine.backends.metadata import SequenceRows
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
 from cbrun.engine.sample.sampler import Sampled, sample
@@ -33,7 +37,44 @@ from cbrun.engine.sample.scoring import ScoredRows, score_logits
 from cbrun.engine.weights import give_back_memory
 
 
-class CpuBackend(TorchBackend):
+class CpuAttention:
+    """The compiled paged attention (attention.c) as a KernelBackend runs it."""
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+
+    def covers(self, spec: ModelSpec) -> str:
+        kv = spec.kv
+        group = spec.num_heads // kv.num_kv_heads
+        if spec.softcaps_attention:
+            return "the model soft-caps attention scores, which the kernel does not"
+        if not self.kernels.supports_attention(kv.dtype, group, kv.head_dim):
+            return f"the kernel does not take {kv.dtype} heads of {kv.head_dim} in groups of {group}"
+        return ""
+
+    def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
+        """The kernel's tasks (rows [R], start [T + 1], shared keys [T]): rows sharing leading pages together."""
+        return plan_tasks(seqs, page_size, self.kernels.segment, windowed)  # shared keys in whole segments
+
+    def attend(
+        self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: KernelRows, scale: float
+    ) -> torch.Tensor:
+        """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
+        return self.kernels.attend(
+            query.transpose(0, 1).contiguous(),
+            k_pool,
+            v_pool,
+            rows.tables,
+            rows.row_seq,
+            rows.first_page,
+            rows.kv_len,
+            rows.kv_lo,
+            rows.plan,
+            scale,
+        )
+
+
+class CpuBackend(KernelBackend):
     """Compiled CPU kernels for linears, fused layers, attention, K/V writes and sampling.
 
     Attention falls back to the torch reference for models the kernel does
@@ -46,12 +87,11 @@ class CpuBackend(TorchBackend):
     def __init__(
         self, kernels: CpuKernels, policy: str = "portable", quantization: str | None = None, keep_dense: bool = False
     ) -> None:
-        super().__init__()  # the torch layout until install finds the compiled attention applies
+        super().__init__(CpuAttention(kernels))  # the torch layout until install finds the attention applies
         self.kernels = kernels
         self.policy = policy  # which linear methods may serve (method_selector.py)
         self.quantization = quantization  # "int8": W8A8 for every linear but the output head (int8_linear.py)
         self.keep_dense = keep_dense  # the methods pack copies; the model keeps its own tensors (HeldWeights)
-        self.attends_rows = False  # whether the compiled attention covers the model (install decides)
         self.linears: dict[torch.nn.Linear, LayerMethod | MemberForward] = {}
         self.fused_layers: list[LayerPlan] = []
         self.held: HeldWeights | None = None  # the weights the layer methods hold, while installed
@@ -78,11 +118,7 @@ class CpuBackend(TorchBackend):
         self.fused_layers = install_fused_layers(model, self.kernels, method, self.held)
         self.linears = install_linear_methods(model, self.kernels, methods, self.held)
         give_back_memory()  # the dropped tensors' heap pages
-        kv = spec.kv
-        self.attends_rows = not spec.softcaps_attention and self.kernels.supports_attention(
-            kv.dtype, spec.num_heads // kv.num_kv_heads, kv.head_dim
-        )
-        self.metadata_builder = metadata_builder_for(self.plan_rows if self.attends_rows else None)
+        self.install_attention(spec)
 
     def _install_int8(
         self, model: CausalLM, head: torch.nn.Module | None, methods: dict[torch.dtype, LinearMethod]
@@ -115,7 +151,7 @@ class CpuBackend(TorchBackend):
         """New weights straight into the methods that hold them (only the members named are packed again), the
         rest into the model; the fused layers read their norms again."""
         if self.held is None:
-            return super().load_weights(model, tensors)
+            return self.reference.load_weights(model, tensors)
         count = self.held.load(tensors)
         for plan in self.fused_layers:
             plan.refresh_norms()
@@ -123,11 +159,7 @@ class CpuBackend(TorchBackend):
 
     def weight_bytes(self, model: CausalLM) -> int:
         """Bytes held for the model's weights: the methods' packed matrices and every tensor the model keeps."""
-        return self.held.nbytes() if self.held is not None else super().weight_bytes(model)
-
-    def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor, ...]:
-        """The kernel's tasks (rows [R], start [T + 1], shared keys [T]): rows sharing leading pages together."""
-        return plan_tasks(seqs, page_size, self.kernels.segment, windowed)  # shared keys in whole segments
+        return self.held.nbytes() if self.held is not None else self.reference.weight_bytes(model)
 
     def write_kv(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
@@ -135,37 +167,11 @@ class CpuBackend(TorchBackend):
         self.kernels.write_kv(k_pool, key, slots)
         self.kernels.write_kv(v_pool, value, slots)
 
-    def attend_rows(
-        self,
-        query: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        rows: RowLayout,
-        scale: float,
-        softcap: float | None,
-    ) -> torch.Tensor:
-        """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
-        if not isinstance(rows, KernelRows):  # a model the kernel does not cover: the torch layout and path
-            return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
-        assert not softcap  # the kernel layout is chosen only for models that do not cap (install)
-        return self.kernels.attend(
-            query.transpose(0, 1).contiguous(),
-            k_pool,
-            v_pool,
-            rows.tables,
-            rows.row_seq,
-            rows.first_page,
-            rows.kv_len,
-            rows.kv_lo,
-            rows.plan,
-            scale,
-        )
-
     def project(self, head: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits straight from the kernel's fp32 sums, in one order for every row count."""
         layer = self.linears.get(head)
         if layer is None:
-            return super().project(head, rows)
+            return self.reference.project(head, rows)
         return layer(rows, torch.float32)
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> Sampled:

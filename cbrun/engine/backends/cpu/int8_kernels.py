@@ -1,19 +1,36 @@
 """The int8 linear kernels (linear_int8.c) from Python: weight quantization, packing, and the W8A8 GEMM.
 
-The signatures are declared with every other kernel's, in kernels.py's one
-table; this module checks the tensors and calls them. Weights are quantized
+The signatures, variant, role and mode numbers are declared with every other
+kernel's, in kernel_abi.py; which variants run here is found at load
+(isa_variants.py). This module checks the tensors and calls them. Weights are quantized
 here, once, in torch (elementwise IEEE operations: the same bits on every
 CPU); activations are quantized by the kernel, row by row, at every call.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
-from typing import ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
-from cbrun.engine.backends.cpu.kernels import CpuKernels, KernelError, _check, _optional_ptr, _ptr, _unit_stride_rows
+from cbrun.engine.backends.cpu.kernel_abi import (
+    MODES,
+    ROLES,
+    VARIANTS,
+    KernelError,
+    LinearParams,
+    check,
+    is_bf16,
+    optional_ptr,
+    ptr,
+    threads,
+    unit_stride_rows,
+)
+
+if TYPE_CHECKING:
+    from cbrun.engine.backends.cpu.isa_variants import IsaVariants
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -36,18 +53,20 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 class Int8Kernels:
     """linear_int8.c's entry points on the loaded library, with their arguments checked."""
 
-    VARIANTS: ClassVar[dict[str, int]] = {"scalar": 0, "avx2": 1, "vnni": 2, "amx": 3}
-    ROLES: ClassVar[dict[str, int]] = {"plain": 0, "gate": 1, "up": 2}
-    MODES: ClassVar[dict[str, int]] = {"plain": 0, "silu": 1, "raw": 2, "int": 3}
+    VARIANTS = VARIANTS["int8"]  # the variant numbers (kernel_abi), by name
+    ROLES = ROLES
+    MODES = MODES
 
-    def __init__(self, kernels: CpuKernels) -> None:
-        self._lib = kernels._lib
+    def __init__(self, library: ctypes.CDLL, variants: IsaVariants) -> None:
+        self._lib = library
+        self.variants = variants
         self.block_outputs = int(self._lib.i8_block_outputs())
         self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
 
     def variant_runs(self, variant: str) -> bool:
-        """Whether this CPU runs the variant (avx2, vnni: the CPU reports the ISA; amx: also Linux grants tiles)."""
-        return bool(self._lib.i8_variant_runs(self.VARIANTS[variant]))
+        """Whether this CPU runs the variant (avx2, vnni: the CPU reports the ISA; amx: also Linux grants tiles),
+        as the load found (isa_variants.py)."""
+        return self.variants.runnable("int8", variant)
 
     def inner_fits(self, inner: int) -> bool:
         """Whether no int32 sum can overflow at K = inner: K * 127 * 128 < 2^31."""
@@ -84,9 +103,9 @@ class Int8Kernels:
             raise KernelError(f"int8 pack: q {tuple(q.shape)} {q.dtype} with scale {tuple(scale.shape)} {scale.dtype}")
         self._check_blocks(packed, inner, role, first + q.shape[0] - 1, "int8 pack")
         status = self._lib.i8_pack_weight(
-            _ptr(q), q.stride(0), _ptr(scale), q.shape[0], inner, self.ROLES[role], first, _ptr(packed), _threads()
+            ptr(q), q.stride(0), ptr(scale), q.shape[0], inner, self.ROLES[role], first, ptr(packed), threads()
         )
-        _check(status, "int8 pack")
+        check(status, "int8 pack")
 
     def unpack(
         self,
@@ -111,33 +130,31 @@ class Int8Kernels:
         q = torch.empty(count, inner, dtype=torch.int8)
         scale = torch.empty(count, dtype=torch.float32)
         status = self._lib.i8_unpack_weight(
-            _ptr(packed),
+            ptr(packed),
             inner,
             self.ROLES[role],
             first,
-            _optional_ptr(ids),
+            optional_ptr(ids),
             count,
-            _ptr(q),
+            ptr(q),
             inner,
-            _ptr(scale),
-            _threads(),
+            ptr(scale),
+            threads(),
         )
-        _check(status, "int8 unpack")
+        check(status, "int8 unpack")
         return q, scale
 
     def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's activation quantization alone: x [M, K] -> (q [M, K] int8, scale [M] fp32)."""
-        x = _unit_stride_rows(x)
+        x = unit_stride_rows(x)
         rows, inner = x.shape
         if x.dtype not in _FLOATS:
             raise KernelError(f"int8 quantize: x {x.dtype}")
         padded = self.inner_padded(inner)
         q = torch.empty(rows, padded, dtype=torch.int8)
         scale = torch.empty(rows, dtype=torch.float32)
-        status = self._lib.i8_quantize_rows(
-            _ptr(x), x.stride(0), int(x.dtype == torch.bfloat16), rows, inner, _ptr(q), _ptr(scale), _threads()
-        )
-        _check(status, "int8 quantize")
+        status = self._lib.i8_quantize_rows(ptr(x), x.stride(0), is_bf16(x), rows, inner, ptr(q), ptr(scale), threads())
+        check(status, "int8 quantize")
         return q[:, :inner], scale
 
     def linear(
@@ -155,7 +172,7 @@ class Int8Kernels:
         """x [M, K] (fp32 or bf16) against the packed W: "plain" x @ W^T (+ bias) [M, N]; "silu"
         silu(x @ Wg^T + bias) * (x @ Wu^T + up_bias) [M, N]; "raw" both sums side by side [M, 2N]; "int" the
         exact int32 sums of the quantized operands [M, N]. See linear_int8.c for the arithmetic."""
-        x = _unit_stride_rows(x)
+        x = unit_stride_rows(x)
         rows, width = x.shape
         if width != inner or x.dtype not in _FLOATS or packed.dtype != torch.int8:
             raise KernelError(f"int8 linear: x [{rows}, {width}] {x.dtype} does not fit a packed [{outputs}, {inner}]")
@@ -170,26 +187,27 @@ class Int8Kernels:
             if out.dtype not in _FLOATS:
                 raise KernelError(f"int8 linear: output dtype {out.dtype}")
         scratch, scales = self._scratch(rows, inner)
-        status = self._lib.i8_linear(
-            _ptr(x),
-            x.stride(0),
-            int(x.dtype == torch.bfloat16),
-            _ptr(packed),
-            outputs,
-            inner,
-            self.MODES[mode],
-            _optional_ptr(bias),
-            _optional_ptr(up_bias),
-            _ptr(out),
-            out.stride(0),
-            int(out.dtype == torch.bfloat16),
-            rows,
-            _ptr(scratch),
-            _ptr(scales),
-            self.VARIANTS[variant],
-            _threads(),
+        params = LinearParams(
+            x=ptr(x),
+            packed=ptr(packed),
+            bias=optional_ptr(bias),
+            up_bias=optional_ptr(up_bias),
+            y=ptr(out),
+            scratch=ptr(scratch),
+            row_scales=ptr(scales),
+            ldx=x.stride(0),
+            N=outputs,
+            K=inner,
+            ldy=out.stride(0),
+            M=rows,
+            x_bf16=is_bf16(x),
+            y_bf16=is_bf16(out),
+            mode=self.MODES[mode],
+            variant=self.VARIANTS[variant],
+            threads=threads(),
         )
-        _check(status, "int8 linear")
+        status = self._lib.i8_linear(ctypes.byref(params))
+        check(status, "int8 linear")
         return out
 
     def _check_blocks(self, packed: torch.Tensor, inner: int, role: str, last: int, name: str) -> None:
@@ -208,20 +226,3 @@ class Int8Kernels:
         if held is None or held[0].numel() < needed or held[1].numel() < max(1, rows):
             held = self._local.rows = (torch.empty(needed, dtype=torch.int8), torch.empty(max(1, rows)))
         return held
-
-
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
-_int8: dict[int, Int8Kernels] = {}
-_int8_lock = threading.Lock()
-
-
-def int8_kernels(kernels: CpuKernels) -> Int8Kernels:
-    """The int8 entry points of a loaded kernel library, made once per library."""
-    with _int8_lock:
-        found = _int8.get(id(kernels))
-        if found is None or found._lib is not kernels._lib:
-            found = _int8[id(kernels)] = Int8Kernels(kernels)
-        return found

@@ -34,7 +34,7 @@ from typing import TypeGuard
 
 import torch
 
-from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, int8_kernels, quantize_weight
+from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, quantize_weight
 from cbrun.engine.backends.cpu.kernels import CpuKernels
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, member_layout
 
@@ -59,7 +59,7 @@ class Int8Method(LinearMethod):
         )
 
     def runs_on(self, kernels: CpuKernels) -> bool:
-        return int8_kernels(kernels).variant_runs(self.variant)
+        return kernels.int8.variant_runs(self.variant)
 
     def reference(self) -> LinearMethod | None:
         return INT8_SCALAR if self.variant != "scalar" else None
@@ -107,7 +107,7 @@ class Int8Linear:
         biases: Sequence[torch.Tensor | None],
         gated: bool,
     ) -> None:
-        self.int8, self.variant, self.gated = int8_kernels(kernels), variant, gated
+        self.int8, self.variant, self.gated = kernels.int8, variant, gated
         self.dtype = weights[0].dtype  # what `weight` gives back
         self.inner, self.widths, self.outputs, self.roles, self.starts, self.bias, self.up_bias = member_layout(
             weights, biases, gated

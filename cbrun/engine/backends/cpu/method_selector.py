@@ -113,7 +113,8 @@ def bf16_dot_products_here() -> tuple[bool, str]:
     """Whether this CPU has bf16 dot products that serve: it reports AVX512-BF16 or AMX-BF16, the kernels
     build, and vdpbf16ps passes its self-check (at small shapes; the model's shapes are checked at load).
     Returns (ready, why) for `--dtype auto` and `cbrun info`."""
-    from cbrun.engine.backends.cpu.kernels import cpu_flags, load_cpu_kernels
+    from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
+    from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
 
     flags = set(cpu_flags().split())
     if not flags & {"avx512_bf16", "amx_bf16"}:

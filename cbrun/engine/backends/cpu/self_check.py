@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-from cbrun.engine.backends.cpu.kernels import CpuKernels, KernelError
+from cbrun.engine.backends.cpu.kernel_abi import KernelError
+from cbrun.engine.backends.cpu.kernel_build import cache_root
+from cbrun.engine.backends.cpu.kernels import CpuKernels
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
 
 log = logging.getLogger("cbrun.engine")
@@ -182,9 +184,7 @@ def _time_call(layer: LayerMethod, rows: torch.Tensor) -> float:
 
 
 def cache_path() -> Path:
-    from cbrun.engine.backends.cpu.kernels import _cache_root
-
-    return _cache_root() / "self_check.json"
+    return cache_root() / "self_check.json"
 
 
 def _read_cache() -> dict:

@@ -14,7 +14,10 @@ At install the kernel is run once on a small problem and compared with the
 torch reference; where it cannot compile or disagrees (an old GPU, a dtype
 it does not take), attention stays on the torch path and the log says why.
 Under TRITON_INTERPRET=1 the same backend runs on CPU tensors, slowly: that
-is how CI checks it without a GPU.
+is how CI checks it without a GPU. The "kernel layout or torch" dispatch is
+KernelBackend's (kernel_backend.py); this backend supplies the Triton
+attention (TritonAttention) and nothing else: the rest is the torch
+reference's.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-from cbrun.engine.backends.base import KernelRows, TorchBackend, metadata_builder_for
-from cbrun.engine.backends.metadata import RowLayout, SequenceRows
+from cbrun.engine.backends.base import KernelRows
+from cbrun.engine.backends.kernel_backend import KernelBackend
+from cbrun.engine.backends.metadata import SequenceRows
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 
 log = logging.getLogger("cbrun.engine")
@@ -47,35 +51,24 @@ def triton_usable(device: torch.device) -> bool | str:
     return True
 
 
-class CudaBackend(TorchBackend):
-    """Triton paged attention for every query row; torch for the rest."""
-
-    name = "triton"
+class TritonAttention:
+    """Triton paged attention (triton_attention.py) as a KernelBackend runs it, on one device."""
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__()  # the torch layout until install finds the kernel applies
         self.device = device
-        self.attends_rows = False  # whether the compiled attention covers the model (install decides)
         self.block_rows = 1
-        self.why_not = ""  # why attention stays on the torch path, when it does
 
-    def install(self, model: CausalLM, spec: ModelSpec) -> None:
-        """Decide whether the kernel covers the model's attention, and how many rows a program takes."""
+    def covers(self, spec: ModelSpec) -> str:
+        """ "" when the kernel covers the model and passes its probe here; sizes the query blocks."""
         from cbrun.engine.backends.cuda.triton_attention import default_block_rows
 
         kv = spec.kv
-        group = spec.num_heads // kv.num_kv_heads
-        self.block_rows = default_block_rows(group)
+        self.block_rows = default_block_rows(spec.num_heads // kv.num_kv_heads)
         if spec.softcaps_attention:
-            self.why_not = "the model soft-caps attention scores, which the kernel does not"
-        elif kv.dtype not in KERNEL_DTYPES:
-            self.why_not = f"the kernel takes fp32, bf16 and fp16 caches, not {kv.dtype}"
-        else:
-            self.why_not = _probe(self.device, kv.dtype, spec.num_heads, kv.num_kv_heads, kv.head_dim)
-        self.attends_rows = not self.why_not
-        self.metadata_builder = metadata_builder_for(self.plan_rows if self.attends_rows else None)
-        if self.why_not:
-            log.warning("Triton attention off (%s): the torch attention runs instead", self.why_not)
+            return "the model soft-caps attention scores, which the kernel does not"
+        if kv.dtype not in KERNEL_DTYPES:
+            return f"the kernel takes fp32, bf16 and fp16 caches, not {kv.dtype}"
+        return _probe(self.device, kv.dtype, spec.num_heads, kv.num_kv_heads, kv.head_dim)
 
     def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor, int]:
         """(query blocks [NB, 2] int32: first row and row count of consecutive rows of one sequence, the
@@ -89,19 +82,10 @@ class CudaBackend(TorchBackend):
         row_seq = [index for index, seq in enumerate(seqs) for _ in range(seq.count)]
         return plan_query_blocks(row_seq, longest), longest
 
-    def attend_rows(
-        self,
-        query: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        rows: RowLayout,
-        scale: float,
-        softcap: float | None,
+    def attend(
+        self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: KernelRows, scale: float
     ) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
-        if not isinstance(rows, KernelRows):  # a model the kernel does not cover: the torch layout and path
-            return super().attend_rows(query, k_pool, v_pool, rows, scale, softcap)
-        assert not softcap  # the kernel layout is chosen only for models that do not cap (install)
         from cbrun.engine.backends.cuda.triton_attention import paged_attention
 
         blocks, block_rows = rows.plan
@@ -118,6 +102,36 @@ class CudaBackend(TorchBackend):
             query_blocks=blocks,
             block_rows=block_rows,
         )
+
+
+class CudaBackend(KernelBackend):
+    """Triton paged attention for every query row; torch for the rest."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        self.triton = TritonAttention(device)
+        super().__init__(self.triton)  # the torch layout until install finds the kernel applies
+        self.device = device
+
+    @property
+    def block_rows(self) -> int:
+        """Rows of one query block at most (the kernel's M tile is block_rows x G heads)."""
+        return self.triton.block_rows
+
+    @block_rows.setter
+    def block_rows(self, rows: int) -> None:
+        self.triton.block_rows = rows
+
+    def plan_rows(self, seqs: Sequence[SequenceRows], page_size: int, windowed: bool) -> tuple[torch.Tensor, int]:
+        """The kernel's plan of a step's rows (TritonAttention.plan_rows)."""
+        return self.triton.plan_rows(seqs, page_size, windowed)
+
+    def install(self, model: CausalLM, spec: ModelSpec) -> None:
+        """Decide whether the kernel covers the model's attention, and how many rows a program takes."""
+        self.install_attention(spec)
+        if self.why_not:
+            log.warning("Triton attention off (%s): the torch attention runs instead", self.why_not)
 
     def describe(self) -> str:
         attention = "Triton paged attention" if self.attends_rows else f"torch attention: {self.why_not}"

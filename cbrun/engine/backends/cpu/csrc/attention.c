@@ -52,6 +52,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "cbrun_abi.h"
 #include "dp_pairs.h"
 
 #define MAX_GD 4096 /* G * D per (row, kv head) */
@@ -278,12 +279,8 @@ static void dpa_lanes_scalar(const uint16_t* q, int hb, const uint16_t* keys, in
     for (int64_t j = 0; j < n; ++j)
       for (int i = 0; i < 16; ++i) {
         float acc = 0.f;
-        for (int64_t c = 0; c < D / 32; ++c) {
-          const uint16_t* qp = q + g * D + 32 * c + 2 * i;
-          const uint16_t* kp = keys + j * D + 32 * c + 2 * i;
-          const float t = dp_flush(fmaf(dp_read(qp[1]), dp_read(kp[1]), acc));
-          acc = dp_flush(fmaf(dp_read(qp[0]), dp_read(kp[0]), t));
-        }
+        for (int64_t c = 0; c < D / 32; ++c)
+          acc = dp_pair_scalar(q + g * D + 32 * c + 2 * i, keys + j * D + 32 * c + 2 * i, acc);
         lanes[(g * n + j) * 16 + i] = acc;
       }
 }
@@ -300,8 +297,7 @@ static __attribute__((noinline)) void dpa_lanes_twin(const uint16_t* q, int hb, 
         for (int v = 0; v < 16 / VEC; ++v) {
           const vNu qp = *(const vNu_mem*)(q + g * D + 32 * c + 2 * VEC * v);
           const vNu kp = *(const vNu_mem*)(keys + j * D + 32 * c + 2 * VEC * v);
-          acc[v] += twin_high(qp) * twin_high(kp); /* t = fma(q[2i+1], k[2i+1], acc) */
-          acc[v] += twin_low(qp) * twin_low(kp);   /* acc = fma(q[2i], k[2i], t) */
+          acc[v] = dp_pair_twin(acc[v], twin_high(qp), twin_high(kp), twin_low(qp), twin_low(kp));
         }
       for (int v = 0; v < 16 / VEC; ++v) storeN_f32(lanes + (g * n + j) * 16 + VEC * v, acc[v]);
     }
@@ -385,11 +381,6 @@ DPA_ISA_TARGET static inline __attribute__((always_inline)) void score_piece_dp_
 }
 #endif
 
-/* Whether a variant of the pair-dot scores runs on this CPU. */
-int dpa_variant_runs(int variant) {
-  return variant == DP_SCALAR || variant == DP_TWIN || (variant == DP_ISA && dp_isa_runs());
-}
-
 /* out [G, n] = the scores of q [G, D] (one row's heads of one kv head) against keys [n, D], n <= SEG,
  * by `variant`: what the tests compare with a model of the instruction. */
 #if DP_HAS_ISA_SOURCE
@@ -401,16 +392,16 @@ DPA_ISA_TARGET static void dpa_scores_isa(const uint16_t* q, int hb, const uint1
 
 int attend_dp_scores(int variant, const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D, float scale,
                      float* out) {
-  if (!dpa_variant_runs(variant) || D % 32 || n < 1 || n > SEG || G < 1) return -1;
+  if (!dp_variant_supported(variant) || D % 32 || n < 1 || n > SEG || G < 1) return CB_BAD_ARGS;
   float s[HB * SEG];
   for (int64_t g0 = 0; g0 < G; g0 += HB) {
     const int hb = G - g0 < HB ? (int)(G - g0) : HB;
     const uint16_t* qg = q + g0 * D;
 #if DP_HAS_ISA_SOURCE
-    if (variant == DP_ISA) dpa_scores_isa(qg, hb, keys, n, D, scale, s);
+    if (variant == CB_DP_ISA) dpa_scores_isa(qg, hb, keys, n, D, scale, s);
 #endif
-    if (variant == DP_TWIN) score_piece_dp_twin(qg, hb, keys, n, D, scale, s);
-    if (variant == DP_SCALAR) score_piece_dp_scalar(qg, hb, keys, n, D, scale, s);
+    if (variant == CB_DP_TWIN) score_piece_dp_twin(qg, hb, keys, n, D, scale, s);
+    if (variant == CB_DP_SCALAR) score_piece_dp_scalar(qg, hb, keys, n, D, scale, s);
     for (int g = 0; g < hb; ++g)
       for (int64_t j = 0; j < n; ++j) out[(g0 + g) * n + j] = s[g * SEG + j];
   }
@@ -633,17 +624,25 @@ static char* task_scratch(size_t bytes) {
     return 0;                                                                                            \
   }                                                                                                      \
 
-#define DEFINE_ENTRY(NAME, T, EXTRA_PARAM, DISPATCH)                                                     \
-  int NAME(const T* q, const T* k, const T* v, const int64_t* tables, int64_t max_pages, \
-                            const int64_t* row_seq, const int64_t* first_page, const int64_t* kv_len,     \
-                            const int64_t* kv_lo, T* out, int64_t R, int64_t S, int64_t H, int64_t D,     \
-                            int64_t Hkv, int64_t NB, int64_t P, float scale, const int64_t* task_rows,   \
-                            const int64_t* task_start, const int64_t* task_shared, int64_t tasks,         \
-                            int threads EXTRA_PARAM) {                                                   \
+/* An entry point: the parameters (cbrun_abi.h) as the locals CALL_TASK names, REFUSE (an extra refusal) and
+ * the checks every entry makes, then each (task, kv head) through DISPATCH. */
+#define DEFINE_ENTRY(NAME, T, REFUSE, DISPATCH)                                                          \
+  int NAME(const cb_attend_params* a) {                                                                  \
+    const T *q = a->q, *k = a->k, *v = a->v;                                                             \
+    T* out = a->out;                                                                                     \
+    const int64_t *tables = a->tables, *row_seq = a->row_seq, *first_page = a->first_page;               \
+    const int64_t *kv_len = a->kv_len, *kv_lo = a->kv_lo;                                                \
+    const int64_t *task_rows = a->task_rows, *task_start = a->task_start, *task_shared = a->task_shared; \
+    const int64_t max_pages = a->max_pages, R = a->R, S = a->S, H = a->H, D = a->D, Hkv = a->Hkv;         \
+    const int64_t NB = a->NB, P = a->P, tasks = a->tasks;                                                \
+    const float scale = a->scale;                                                                        \
+    const int variant = a->variant, threads = a->threads;                                                \
+    (void)variant;                                                                                       \
+    if (REFUSE) return CB_BAD_ARGS;                                                                      \
     if (Hkv < 1 || H % Hkv || H / Hkv > MAX_G || (H / Hkv) * D > MAX_GD || D % 8 || P < 1 || tasks < 1   \
         || !valid_tasks(tables, max_pages, row_seq, first_page, kv_len, kv_lo, R, S, NB, P, task_rows,    \
                         task_start, task_shared, tasks))                                                 \
-      return -1;                                                                                         \
+      return CB_BAD_ARGS;                                                                                \
     const int64_t G = H / Hkv;                                                                           \
     int failed = 0;                                                                                      \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                               \
@@ -660,7 +659,7 @@ static char* task_scratch(size_t bytes) {
         failed = 1;                                                                                      \
       }                                                                                                  \
     }                                                                                                    \
-    return failed ? -2 : 0;                                                                              \
+    return failed ? CB_NO_MEMORY : CB_OK;                                                                \
   }
 
 DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR)
@@ -680,21 +679,17 @@ DEFINE_TASK(dp_isa, uint16_t, load_bf16, store_bf16, __attribute__((target("avx5
                    rows, count, task_shared[t], h)                                                        \
               : FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, H, G, D, P, scale, rows,  \
                    count, task_shared[t], h))
-#define NO_PARAM
-#define COMMA_VARIANT , int variant
-
-DEFINE_ENTRY(paged_attend_f32, float, NO_PARAM, status = CALL_TASK(attend_task_f32);)
-DEFINE_ENTRY(paged_attend_bf16, uint16_t, NO_PARAM, status = CALL_TASK(attend_task_bf16);)
-/* bf16 with pair-dot scores (see the top): `variant` DP_SCALAR, DP_TWIN or DP_ISA, one that dpa_variant_runs. */
+DEFINE_ENTRY(paged_attend_f32, float, 0, status = CALL_TASK(attend_task_f32);)
+DEFINE_ENTRY(paged_attend_bf16, uint16_t, 0, status = CALL_TASK(attend_task_bf16);)
+/* bf16 with pair-dot scores (see the top): `variant` CB_DP_SCALAR, CB_DP_TWIN or CB_DP_ISA, one that dp_variant_runs. */
 #if DP_HAS_ISA_SOURCE
-#define DP_ISA_TASK(otherwise) (variant == DP_ISA ? CALL_TASK(attend_task_dp_isa) : (otherwise))
+#define DP_ISA_TASK(otherwise) (variant == CB_DP_ISA ? CALL_TASK(attend_task_dp_isa) : (otherwise))
 #else
 #define DP_ISA_TASK(otherwise) (otherwise)
 #endif
-DEFINE_ENTRY(paged_attend_bf16dp, uint16_t, COMMA_VARIANT,
-             status = !dpa_variant_runs(variant) || D % 32 ? -1
-                      : DP_ISA_TASK(variant == DP_TWIN ? CALL_TASK(attend_task_dp_twin)
-                                                       : CALL_TASK(attend_task_dp_scalar));)
+DEFINE_ENTRY(paged_attend_bf16dp, uint16_t, !dp_variant_supported(variant) || D % 32,
+             status = DP_ISA_TASK(variant == CB_DP_TWIN ? CALL_TASK(attend_task_dp_twin)
+                                                        : CALL_TASK(attend_task_dp_scalar));)
 
 int64_t paged_attend_max_gd(void) { return MAX_GD; }
 int64_t paged_attend_segment(void) { return SEG; }

@@ -8,12 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cbrun_abi.h" /* the variants of a pair kernel: CB_DP_SCALAR, CB_DP_TWIN, CB_DP_ISA */
 #include "vec.h"
-
-/* The variants of a pair kernel: the plain-C reference, the portable twin, the instruction itself. */
-#define DP_SCALAR 0
-#define DP_TWIN 1
-#define DP_ISA 2
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define DP_HAS_ISA_SOURCE 1 /* vdpbf16ps code is compiled (target attributes) on every x86 build */
@@ -29,6 +25,11 @@ static inline int dp_isa_runs(void) {
 #else
   return 0;
 #endif
+}
+
+/* Whether this CPU runs a variant of the pair kernels (the reference and the twin run everywhere). */
+static inline int dp_variant_supported(int variant) {
+  return variant == CB_DP_SCALAR || variant == CB_DP_TWIN || (variant == CB_DP_ISA && dp_isa_runs());
 }
 
 static inline float dp_bf16_to_f32(uint16_t h) {
@@ -76,6 +77,23 @@ static inline float twin_scalar_high(uint32_t u) {
 static inline float twin_scalar_low(uint32_t u) {
   union { uint32_t u; float f; } c = {u << 16};
   return c.f;
+}
+
+/* ---- one pair of a chain: the arithmetic every pair kernel shares ------------------------------- *
+ * Pair p of a and b (a[2p], a[2p+1] and b[2p], b[2p+1]) added to a chain as vdpbf16ps adds it:
+ *     t = fma(a[2p+1], b[2p+1], acc)   acc = fma(a[2p], b[2p], t)
+ * dp_pair_scalar flushes explicitly (the reference); dp_pair_twin is the same on vectors of lanes, each lane
+ * its own chain, flushed by the modes the caller set (dp_flush_on) and fused where the build targets FMA. */
+static inline float dp_pair_scalar(const uint16_t* a, const uint16_t* b, float acc) {
+  const float t = dp_flush(fmaf(dp_read(a[1]), dp_read(b[1]), acc));
+  return dp_flush(fmaf(dp_read(a[0]), dp_read(b[0]), t));
+}
+
+static inline __attribute__((always_inline)) vNf dp_pair_twin(vNf acc, vNf a_high, vNf b_high, vNf a_low,
+                                                                vNf b_low) {
+  acc += a_high * b_high; /* t = fma(a[2p+1], b[2p+1], acc) */
+  acc += a_low * b_low;   /* acc = fma(a[2p], b[2p], t) */
+  return acc;
 }
 
 #endif

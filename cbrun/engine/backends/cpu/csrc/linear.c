@@ -42,13 +42,14 @@
  *
  * Element types are flags: x, the weights (with their biases) and y are each
  * fp32 or bf16. Both take `xp`, scratch for ceil(M / 16) * 16 * K floats. Both
- * return 0, LIN_BAD_ARGS for arguments they cannot handle (nothing written), or
- * LIN_NO_MEMORY.
+ * return 0, CB_BAD_ARGS for arguments they cannot handle (nothing written), or
+ * CB_NO_MEMORY.
  */
 #include <stdlib.h>
 
-#include "vec.h"
+#include "cbrun_abi.h"
 #include "panel.h"
+#include "vec.h"
 
 #define LIN_PF 2               /* tiles ahead to prefetch */
 #define MAX_SEGMENTS 8         /* weights in one linear_rows call */
@@ -56,8 +57,6 @@
 #ifndef LIN_K_STEP
 #define LIN_K_STEP 1024 /* floats of k per step at most: a tile's slice (TILE_NR x 4 KiB at most) stays in L1/L2 */
 #endif
-#define LIN_BAD_ARGS (-1)
-#define LIN_NO_MEMORY (-2)
 
 static inline float bf16_to_f32(uint16_t h) {
   union { uint32_t u; float f; } c;
@@ -195,7 +194,7 @@ static int run_tiles(const void* x, int64_t ldx, int x_bf16, int w_bf16, int64_t
     free(buffer);
     free(sums);
   }
-  return failed ? LIN_NO_MEMORY : 0;
+  return failed ? CB_NO_MEMORY : 0;
 }
 
 /* The weights of a linear_rows call: segments s of n[s] rows each, outputs side by side. */
@@ -240,12 +239,12 @@ static void emit_linear(const tile_target* target, int64_t m, int count, tile_bl
 int linear_rows(const void* x, int64_t ldx, int x_bf16, int count, const void* const* w, const void* const* bias,
                 int w_bf16, const int64_t* n, void* y, int64_t ldy, int y_bf16, int64_t M, int64_t K, float* xp,
                 int threads) {
-  if (count < 1 || count > MAX_SEGMENTS || M < 0 || K < 1) return LIN_BAD_ARGS;
+  if (count < 1 || count > MAX_SEGMENTS || M < 0 || K < 1) return CB_BAD_ARGS;
   if (M == 0) return 0;
   const linear_call c = {count, w_bf16, y_bf16, w, bias, n, K, y, ldy};
   int64_t tiles = 0;
   for (int s = 0; s < count; ++s) {
-    if (n[s] < 1) return LIN_BAD_ARGS;
+    if (n[s] < 1) return CB_BAD_ARGS;
     tiles += (n[s] + TILE_NR - 1) / TILE_NR;
   }
   return run_tiles(x, ldx, x_bf16, w_bf16, M, K, xp, threads, tiles, &c, segment_tile, emit_linear);
@@ -310,7 +309,7 @@ static void emit_gated(const tile_target* target, int64_t m, int count, tile_blo
 int gated_silu(const void* x, int64_t ldx, int x_bf16, const void* wg, const void* wu, const void* bg,
                const void* bu, int w_bf16, void* y, int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K,
                float* xp, int threads) {
-  if (M < 0 || N < 1 || K < 1) return LIN_BAD_ARGS;
+  if (M < 0 || N < 1 || K < 1) return CB_BAD_ARGS;
   if (M == 0) return 0;
   const gated_call c = {wg, wu, bg, bu, w_bf16, y_bf16, N, K, y, ldy};
   return run_tiles(x, ldx, x_bf16, w_bf16, M, K, xp, threads, (N + GATED_COLS - 1) / GATED_COLS, &c, gated_tile,

@@ -10,15 +10,15 @@
  * even with a zero pair element, the bias (fp32) is added after the chain and bf16 outputs are
  * rounded once. Nothing about a call changes a chain: not the number of rows, the blocking, the
  * threads, nor the variant that computes it:
- *   DP_SCALAR  plain C: fmaf and explicit flushing. The reference the others must equal.
- *   DP_TWIN    the same loops in portable vectors (AVX2, AVX-512F, NEON: whatever the build targets),
+ *   CB_DP_SCALAR  plain C: fmaf and explicit flushing. The reference the others must equal.
+ *   CB_DP_TWIN    the same loops in portable vectors (AVX2, AVX-512F, NEON: whatever the build targets),
  *              two FMAs per pair, with the CPU's flush-to-zero and denormals-are-zero modes set for
  *              the call (MXCSR on x86, FPCR on AArch64) so the FMAs flush as the instruction does.
- *   DP_ISA     vdpbf16ps itself: 8 rows x 32 outputs a step in 16 zmm accumulators. Compiled on every
+ *   CB_DP_ISA     vdpbf16ps itself: 8 rows x 32 outputs a step in 16 zmm accumulators. Compiled on every
  *              x86 build (a target attribute), run only where the CPU has AVX512-BF16.
  * So a request's numbers are the same bits alone or in a crowd, and on every CPU: a CPU without the
  * instruction computes them with the twin, slowly. The engine runs a variant only after it has
- * equalled DP_SCALAR on the user's CPU (linear_methods.py). Every variant runs with the flush modes
+ * equalled CB_DP_SCALAR on the user's CPU (linear_methods.py). Every variant runs with the flush modes
  * set (the epilogue too, which all variants share), so bias adds and SiLU are one arithmetic as well.
  * Why we own this kernel: oneDNN's bf16 GEMM blocks K by the call's shape (a row's bits change with
  * the batch once K >= 1536) and its order is not vdpbf16ps's pair order on every CPU.
@@ -36,7 +36,7 @@
  *   dp_unpack_weight the inverse, bit for bit (close, weight reads, a tied head's embedding lookup)
  *   dp_linear      y [M, N] = x [M, K] @ W^T (+ bias), or silu(x @ Wg^T + bg) * (x @ Wu^T + bu), or (gated
  *                  raw) the gate and up sums side by side, y [M, 2N]: one member of a fused matrix alone
- *   dp_variant_runs  whether a variant can run on this CPU (DP_ISA: the CPU reports AVX512-BF16)
+ *   dp_variant_runs  whether a variant can run on this CPU (CB_DP_ISA: the CPU reports AVX512-BF16)
  */
 #include <stdlib.h>
 #include <string.h>
@@ -59,11 +59,6 @@
  * every row group of a chunk passes it */
 #define DP_K_PAIRS 128
 #endif
-#define DP_BAD_ARGS (-1)
-#define DP_NO_MEMORY (-2)
-#define DP_GATED_SILU 1 /* dp_linear's `gated`: silu(gate) * up */
-#define DP_GATED_RAW 2  /* dp_linear's `gated`: gate and up sums side by side, y [M, 2N] */
-#define DP_NO_VARIANT (-3)
 
 typedef float dp_tile[DP_ROWS][DP_BLOCK];
 
@@ -75,24 +70,19 @@ static inline int64_t dp_k_step(int64_t pairs) {
   return (pairs + steps - 1) / steps;
 }
 
-/* ---- DP_SCALAR: the reference ----------------------------------------------------------------- */
+/* ---- CB_DP_SCALAR: the reference ----------------------------------------------------------------- */
 
 static void dp_rows_scalar(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
                            dp_tile out) {
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < DP_BLOCK; ++j) {
       float acc = p0 ? out[r][j] : 0.f;
-      for (int64_t p = p0; p < p1; ++p) {
-        const uint16_t* wp = w + (p * DP_BLOCK + j) * 2;
-        const uint16_t* xr = xp + r * Kp + 2 * p;
-        const float t = dp_flush(fmaf(dp_read(xr[1]), dp_read(wp[1]), acc));
-        acc = dp_flush(fmaf(dp_read(xr[0]), dp_read(wp[0]), t));
-      }
+      for (int64_t p = p0; p < p1; ++p) acc = dp_pair_scalar(xp + r * Kp + 2 * p, w + (p * DP_BLOCK + j) * 2, acc);
       out[r][j] = acc;
     }
 }
 
-/* ---- DP_TWIN: portable vectors, the flush modes doing the flushing ----------------------------- */
+/* ---- CB_DP_TWIN: portable vectors, the flush modes doing the flushing ----------------------------- */
 
 #define TWIN_VECS (DP_BLOCK / VEC) /* vectors across a block's outputs: 2 (AVX-512) or 4 (8 lanes) */
 #if VEC == 16
@@ -122,10 +112,7 @@ static inline __attribute__((always_inline)) void twin_rows(const uint16_t* xp, 
       uint32_t pair;
       memcpy(&pair, xp + r * Kp + 2 * p, 4);
       const vNf xh = splatN(twin_scalar_high(pair)), xl = splatN(twin_scalar_low(pair));
-      for (int v = 0; v < TWIN_VECS; ++v) {
-        acc[r][v] += xh * high[v]; /* t = fma(x[2p+1], w[2p+1], acc) */
-        acc[r][v] += xl * low[v];  /* acc = fma(x[2p], w[2p], t) */
-      }
+      for (int v = 0; v < TWIN_VECS; ++v) acc[r][v] = dp_pair_twin(acc[r][v], xh, high[v], xl, low[v]);
     }
   }
   for (int r = 0; r < rows; ++r)
@@ -140,7 +127,7 @@ static void dp_rows_twin(const uint16_t* xp, int64_t Kp, const uint16_t* w, int 
   }
 }
 
-/* ---- DP_ISA: vdpbf16ps ------------------------------------------------------------------------ */
+/* ---- CB_DP_ISA: vdpbf16ps ------------------------------------------------------------------------ */
 
 #if DP_HAS_ISA_SOURCE
 #include <immintrin.h>
@@ -204,17 +191,15 @@ __attribute__((target("avx512f,avx512bf16"))) static void dp_rows_isa(const uint
 typedef void (*dp_rows_fn)(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
                            dp_tile out);
 
-int dp_variant_runs(int variant) {
-  if (variant == DP_SCALAR || variant == DP_TWIN) return 1;
-  return variant == DP_ISA && dp_isa_runs();
-}
+/* Whether this CPU runs a variant of the pair kernels, linear and attention alike (CB_DP_ISA: AVX512-BF16). */
+int dp_variant_runs(int variant) { return dp_variant_supported(variant); }
 
 static dp_rows_fn dp_rows_for(int variant) {
   if (!dp_variant_runs(variant)) return 0;
 #if DP_HAS_ISA_SOURCE
-  if (variant == DP_ISA) return dp_rows_isa;
+  if (variant == CB_DP_ISA) return dp_rows_isa;
 #endif
-  return variant == DP_TWIN ? dp_rows_twin : dp_rows_scalar;
+  return variant == CB_DP_TWIN ? dp_rows_twin : dp_rows_scalar;
 }
 
 /* ---- packing ---------------------------------------------------------------------------------- */
@@ -222,14 +207,11 @@ static dp_rows_fn dp_rows_for(int variant) {
 /* Roles of a weight in a packed matrix: all 32 lanes of a block (plain), or a gated block's first 16
  * lanes (gate rows) or last 16 (up rows). Output n of a role lives in block dp_block_of(n), lane
  * dp_lane_of(n). */
-#define DP_PLAIN 0
-#define DP_GATE 1
-#define DP_UP 2
 
-static inline int64_t dp_block_of(int64_t n, int role) { return role == DP_PLAIN ? n / DP_BLOCK : n / (DP_BLOCK / 2); }
+static inline int64_t dp_block_of(int64_t n, int role) { return role == CB_ROLE_PLAIN ? n / DP_BLOCK : n / (DP_BLOCK / 2); }
 static inline int dp_lane_of(int64_t n, int role) {
-  if (role == DP_PLAIN) return (int)(n % DP_BLOCK);
-  return (int)(n % (DP_BLOCK / 2)) + (role == DP_UP ? DP_BLOCK / 2 : 0);
+  if (role == CB_ROLE_PLAIN) return (int)(n % DP_BLOCK);
+  return (int)(n % (DP_BLOCK / 2)) + (role == CB_ROLE_UP ? DP_BLOCK / 2 : 0);
 }
 
 /* Packed elements for N outputs of K inputs (gated: N gate and N up rows). */
@@ -242,7 +224,7 @@ int64_t dp_packed_size(int64_t N, int64_t K, int gated) {
  * those blocks (dp_linear's static split of blocks over the same number of threads): on a machine of several
  * NUMA nodes, with threads bound to cores, each block's pages are first touched, so placed, where they are read. */
 int dp_zero_blocks(uint16_t* packed, int64_t blocks, int64_t K, int threads) {
-  if (blocks < 1 || K < 1) return DP_BAD_ARGS;
+  if (blocks < 1 || K < 1) return CB_BAD_ARGS;
   const int64_t Kp = (K + 1) / 2 * 2;
   _Pragma("omp parallel for num_threads(threads) schedule(static)")
   for (int64_t b = 0; b < blocks; ++b) memset(packed + b * Kp * DP_BLOCK, 0, Kp * DP_BLOCK * sizeof(uint16_t));
@@ -326,13 +308,13 @@ static int64_t dp_pack_16_rows(const uint16_t* src, int64_t ldw, int64_t K, uint
  * whole blocks, so none writes a cache line another one writes. */
 int dp_pack_weight(const uint16_t* w, int64_t ldw, int64_t rows, int64_t K, int role, int64_t first, uint16_t* packed,
                  int threads) {
-  if (rows < 1 || K < 1 || first < 0 || ldw < K || role < DP_PLAIN || role > DP_UP) return DP_BAD_ARGS;
+  if (rows < 1 || K < 1 || first < 0 || ldw < K || role < CB_ROLE_PLAIN || role > CB_ROLE_UP) return CB_BAD_ARGS;
   const int64_t Kp = (K + 1) / 2 * 2;
   const int64_t b0 = dp_block_of(first, role), b1 = dp_block_of(first + rows - 1, role) + 1;
   _Pragma("omp parallel num_threads(threads)") {
   _Pragma("omp for schedule(static)")
   for (int64_t b = b0; b < b1; ++b) {
-    const int per_block = role == DP_PLAIN ? DP_BLOCK : DP_BLOCK / 2;
+    const int per_block = role == CB_ROLE_PLAIN ? DP_BLOCK : DP_BLOCK / 2;
     const int64_t n0 = b * per_block < first ? first : b * per_block;
     const int64_t n1 = (b + 1) * per_block < first + rows ? (b + 1) * per_block : first + rows;
     uint16_t* dst = packed + b * Kp * DP_BLOCK;
@@ -358,7 +340,7 @@ int dp_pack_weight(const uint16_t* w, int64_t ldw, int64_t rows, int64_t K, int 
  * first .. first + count - 1, or ids[i] where `ids` is given (an embedding lookup in a tied output head). */
 int dp_unpack_weight(const uint16_t* packed, int64_t K, int role, int64_t first, const int64_t* ids, int64_t count,
                    uint16_t* out, int64_t ldo, int threads) {
-  if (count < 0 || K < 1 || ldo < K || role < DP_PLAIN || role > DP_UP) return DP_BAD_ARGS;
+  if (count < 0 || K < 1 || ldo < K || role < CB_ROLE_PLAIN || role > CB_ROLE_UP) return CB_BAD_ARGS;
   const int64_t Kp = (K + 1) / 2 * 2;
   _Pragma("omp parallel for num_threads(threads) schedule(static)")
   for (int64_t i = 0; i < count; ++i) {
@@ -440,7 +422,7 @@ static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile 
     bg[j] = t->bias ? t->bias[n0 + j] : 0.f;
     bu[j] = t->up_bias ? t->up_bias[n0 + j] : 0.f;
   }
-  if (t->gated == DP_GATED_RAW) { /* gate sums (+ bias) in columns n, up sums (+ bias) in columns N + n */
+  if (t->gated == CB_MODE_RAW) { /* gate sums (+ bias) in columns n, up sums (+ bias) in columns N + n */
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < cols; ++j) {
         dp_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, acc[r][j] + bg[j]);
@@ -459,21 +441,21 @@ static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile 
   }
 }
 
-/* y = x @ W^T (+ bias) for the packed W of N outputs over K (gated = DP_GATED_SILU: silu(x @ Wg^T + bias) *
- * (x @ Wu^T + up_bias), N outputs; DP_GATED_RAW: x @ Wg^T + bias and x @ Wu^T + up_bias, 2N outputs). x [M, K]
+/* y = x @ W^T (+ bias) for the packed W of N outputs over K (gated = CB_MODE_SILU: silu(x @ Wg^T + bias) *
+ * (x @ Wu^T + up_bias), N outputs; CB_MODE_RAW: x @ Wg^T + bias and x @ Wu^T + up_bias, 2N outputs). x [M, K]
  * rows ldx apart, bf16 or fp32; y [M, N] rows ldy apart, bf16 or fp32; xp: scratch for M * Kp bf16. Returns 0,
- * DP_BAD_ARGS, DP_NO_MEMORY, or DP_NO_VARIANT where this CPU cannot run it.
+ * CB_BAD_ARGS, CB_NO_MEMORY, or CB_NO_VARIANT where this CPU cannot run it.
  *
  * Threads split the work by output blocks within a chunk of rows, never by k. Where K is longer than a step
  * (dp_k_step: a function of K alone), each block's sums for the chunk's rows are carried in fp32 tiles from
  * one step of pairs to the next, so the step's weights stay in L1 while every row group passes them; the
  * chain of every output is the one above whatever the steps, chunks or threads. */
-int dp_linear(const void* x, int64_t ldx, int x_bf16, const uint16_t* packed, int64_t N, int64_t K, int gated,
-              const float* bias, const float* up_bias, void* y, int64_t ldy, int y_bf16, int64_t M, uint16_t* xp,
-              int variant, int threads) {
-  if (M < 0 || N < 1 || K < 1 || gated < 0 || gated > DP_GATED_RAW) return DP_BAD_ARGS;
+static int dp_linear_run(const void* x, int64_t ldx, int x_bf16, const uint16_t* packed, int64_t N, int64_t K,
+                         int gated, const float* bias, const float* up_bias, void* y, int64_t ldy, int y_bf16,
+                         int64_t M, uint16_t* xp, int variant, int threads) {
+  if (M < 0 || N < 1 || K < 1 || gated < 0 || gated > CB_MODE_RAW) return CB_BAD_ARGS;
   const dp_rows_fn rows_fn = dp_rows_for(variant);
-  if (!rows_fn) return DP_NO_VARIANT;
+  if (!rows_fn) return CB_NO_VARIANT;
   if (M == 0) return 0;
   const int64_t Kp = (K + 1) / 2 * 2;
   const int64_t blocks = (N + (gated ? DP_BLOCK / 2 : DP_BLOCK) - 1) / (gated ? DP_BLOCK / 2 : DP_BLOCK);
@@ -519,7 +501,13 @@ int dp_linear(const void* x, int64_t ldx, int x_bf16, const uint16_t* packed, in
     if (tiles != &one) free(tiles);
     dp_flush_restore(mode);
   }
-  return failed ? DP_NO_MEMORY : 0;
+  return failed ? CB_NO_MEMORY : 0;
+}
+
+/* The entry point: `mode` CB_MODE_PLAIN, CB_MODE_SILU or CB_MODE_RAW; `scratch` M * Kp bf16 (cbrun_abi.h). */
+int dp_linear(const cb_linear_params* a) {
+  return dp_linear_run(a->x, a->ldx, a->x_bf16, a->packed, a->N, a->K, a->mode, a->bias, a->up_bias, a->y, a->ldy,
+                       a->y_bf16, a->M, a->scratch, a->variant, a->threads);
 }
 
 int dp_block_outputs(void) { return DP_BLOCK; }

@@ -15,16 +15,16 @@
  * (the threshold keeps every product away from denormals, so the CPU's flush modes never show). So a
  * row's numbers do not depend on the number of rows, the chunks, the K steps, the threads, nor the
  * variant that sums them:
- *   I8_SCALAR  plain C int32 loops: the reference the others must equal.
- *   I8_AVX2    vpmaddwd on int16-widened operands (exact: pair sums <= 2 * 127 * 128).
- *   I8_VNNI    AVX512-VNNI vpdpbusd: u8 x s8 with x offset by +128 (qx ^ 0x80), the offset's products
+ *   CB_I8_SCALAR  plain C int32 loops: the reference the others must equal.
+ *   CB_I8_AVX2    vpmaddwd on int16-widened operands (exact: pair sums <= 2 * 127 * 128).
+ *   CB_I8_VNNI    AVX512-VNNI vpdpbusd: u8 x s8 with x offset by +128 (qx ^ 0x80), the offset's products
  *              taken back exactly with each output's weight sum (colsum * 128, modulo 2^32: the wrapped
  *              intermediate is exact once the true sum fits in int32).
- *   I8_AMX     AMX-INT8 tdpbssd (s8 x s8 in 16 x 16 int32 tiles), after asking Linux for the tile state;
+ *   CB_I8_AMX     AMX-INT8 tdpbssd (s8 x s8 in 16 x 16 int32 tiles), after asking Linux for the tile state;
  *              a group of fewer than I8_AMX_MIN_ROWS rows (a decode step's last rows) goes through VNNI
  *              where the CPU has it, which gives the same sums for less work than a 16-row tile.
  * The ISA variants are compiled on every x86 build (target attributes) and run only where the CPU
- * reports the feature; the engine serves one only after it equalled I8_SCALAR on the user's CPU.
+ * reports the feature; the engine serves one only after it equalled CB_I8_SCALAR on the user's CPU.
  *
  * Weights are packed once (i8_pack_weight), the only copy the engine keeps: blocks of I8_BLOCK = 32
  * outputs, K padded with zeros to Kp (a multiple of 64, an AMX tile's row), quads of k interleaved,
@@ -40,12 +40,8 @@
  */
 #include <stdlib.h>
 
+#include "cbrun_abi.h"
 #include "vec.h"
-
-#define I8_SCALAR 0
-#define I8_AVX2 1
-#define I8_VNNI 2
-#define I8_AMX 3
 
 #define I8_BLOCK 32
 #define I8_ROWS 16 /* rows of x per step: one AMX tile's rows; the vector variants go 8 (or 4) at a time */
@@ -61,19 +57,6 @@
 #ifndef I8_AMX_MIN_ROWS
 #define I8_AMX_MIN_ROWS 8 /* fewer rows: VNNI instead of a padded tile (measured: 1 row ran faster on VNNI) */
 #endif
-
-#define I8_BAD_ARGS (-1)
-#define I8_NO_MEMORY (-2)
-#define I8_NO_VARIANT (-3)
-
-#define I8_PLAIN 0
-#define I8_GATE 1
-#define I8_UP 2
-
-#define I8_MODE_PLAIN 0
-#define I8_MODE_SILU 1 /* silu(gate) * up */
-#define I8_MODE_RAW 2  /* gate and up side by side, y [M, 2N] */
-#define I8_MODE_INT 3  /* the int32 sums, y [M, N] int32 (tests) */
 
 #define I8_SMALLEST 7.88860905e-31f /* 2^-100: smaller rows quantize to zero */
 
@@ -102,7 +85,7 @@ int i8_inner_fits(int64_t K) { return K >= 1 && K * 127 * 128 < ((int64_t)1 << 3
 static inline int64_t i8_block_bytes(int64_t Kp) { return Kp * I8_BLOCK + I8_TAIL; }
 
 /* ---- the variants: rows (<= I8_ROWS, Kp apart) against k quads q0 .. q1 - 1 of one block, continuing the
- * int32 sums in `out` (from zero where q0 = 0). The sums are raw: I8_VNNI's still carry the +128 offset,
+ * int32 sums in `out` (from zero where q0 = 0). The sums are raw: CB_I8_VNNI's still carry the +128 offset,
  * which i8_fixup takes back once, after the last step. ---------------------------------------------------- */
 
 static void i8_rows_scalar(const int8_t* xq, int64_t Kp, const int8_t* w, int rows, int64_t q0, int64_t q1,
@@ -117,7 +100,7 @@ static void i8_rows_scalar(const int8_t* xq, int64_t Kp, const int8_t* w, int ro
 }
 
 #if I8_HAS_X86
-/* I8_AVX2: 4 rows x 8 outputs a step. One 16-byte load is 4 outputs x 4 k, widened to 16 int16; a row's quad
+/* CB_I8_AVX2: 4 rows x 8 outputs a step. One 16-byte load is 4 outputs x 4 k, widened to 16 int16; a row's quad
  * broadcast and widened the same way; vpmaddwd gives each output two int32 lanes (k0 + k1, k2 + k3). */
 __attribute__((target("avx2"))) static void i8_rows_avx2(const int8_t* xq, int64_t Kp, const int8_t* w, int rows,
                                                          int64_t q0, int64_t q1, i8_tile out) {
@@ -152,7 +135,7 @@ __attribute__((target("avx2"))) static void i8_rows_avx2(const int8_t* xq, int64
   }
 }
 
-/* I8_VNNI: 8 rows x 32 outputs a step in 16 zmm accumulators; per quad two 64-byte weight loads and one
+/* CB_I8_VNNI: 8 rows x 32 outputs a step in 16 zmm accumulators; per quad two 64-byte weight loads and one
  * broadcast per row, 16 vpdpbusd. */
 #define I8_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define DEFINE_VNNI_ROWS(R)                                                                                  \
@@ -207,7 +190,7 @@ I8_VNNI_TARGET static void i8_rows_vnni(const int8_t* xq, int64_t Kp, const int8
 #endif
 
 #if I8_HAS_AMX
-/* I8_AMX: tdpbssd on 16 rows x 16 outputs per tile, two C tiles per block (tmm0, tmm1), A in tmm2, B in tmm3
+/* CB_I8_AMX: tdpbssd on 16 rows x 16 outputs per tile, two C tiles per block (tmm0, tmm1), A in tmm2, B in tmm3
  * and tmm4; a step covers 16 quads (64 k). x rows past `rows` are read from the scratch's zeroed pad rows
  * (i8_linear pads the row count to a multiple of I8_ROWS) and never stored. */
 #define I8_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
@@ -264,16 +247,16 @@ static int i8_amx_permitted(void) {
 #endif
 
 int i8_variant_runs(int variant) {
-  if (variant == I8_SCALAR) return 1;
+  if (variant == CB_I8_SCALAR) return 1;
 #if I8_HAS_X86
   __builtin_cpu_init();
-  if (variant == I8_AVX2) return __builtin_cpu_supports("avx2");
-  if (variant == I8_VNNI)
+  if (variant == CB_I8_AVX2) return __builtin_cpu_supports("avx2");
+  if (variant == CB_I8_VNNI)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vnni");
 #endif
 #if I8_HAS_AMX
-  if (variant == I8_AMX) {
+  if (variant == CB_I8_AMX) {
     static int runs = -1; /* asked once: CPUID traps to the hypervisor in a VM, which costs a call's time */
     if (runs < 0) {
       unsigned a, b, c, d; /* CPUID leaf 7: EDX bit 24 AMX-TILE, bit 25 AMX-INT8 */
@@ -291,16 +274,16 @@ typedef void (*i8_rows_fn)(const int8_t* xq, int64_t Kp, const int8_t* w, int ro
 static i8_rows_fn i8_rows_for(int variant) {
   if (!i8_variant_runs(variant)) return 0;
 #if I8_HAS_X86
-  if (variant == I8_AVX2) return i8_rows_avx2;
-  if (variant == I8_VNNI) return i8_rows_vnni;
+  if (variant == CB_I8_AVX2) return i8_rows_avx2;
+  if (variant == CB_I8_VNNI) return i8_rows_vnni;
 #endif
 #if I8_HAS_AMX
-  if (variant == I8_AMX) return i8_rows_amx;
+  if (variant == CB_I8_AMX) return i8_rows_amx;
 #endif
   return i8_rows_scalar;
 }
 
-/* The raw sums of `rows` rows made true: I8_VNNI's take back 128 * colsum (in uint32: modulo 2^32). */
+/* The raw sums of `rows` rows made true: CB_I8_VNNI's take back 128 * colsum (in uint32: modulo 2^32). */
 static void i8_fixup(i8_rows_fn fn, const int32_t* colsum, int rows, i8_tile acc) {
 #if I8_HAS_X86
   if (fn != i8_rows_vnni) return;
@@ -314,10 +297,10 @@ static void i8_fixup(i8_rows_fn fn, const int32_t* colsum, int rows, i8_tile acc
 
 /* ---- packing ------------------------------------------------------------------------------------------ */
 
-static inline int64_t i8_block_of(int64_t n, int role) { return role == I8_PLAIN ? n / I8_BLOCK : n / (I8_BLOCK / 2); }
+static inline int64_t i8_block_of(int64_t n, int role) { return role == CB_ROLE_PLAIN ? n / I8_BLOCK : n / (I8_BLOCK / 2); }
 static inline int i8_lane_of(int64_t n, int role) {
-  if (role == I8_PLAIN) return (int)(n % I8_BLOCK);
-  return (int)(n % (I8_BLOCK / 2)) + (role == I8_UP ? I8_BLOCK / 2 : 0);
+  if (role == CB_ROLE_PLAIN) return (int)(n % I8_BLOCK);
+  return (int)(n % (I8_BLOCK / 2)) + (role == CB_ROLE_UP ? I8_BLOCK / 2 : 0);
 }
 
 /* Bytes of a packed matrix of N outputs over K (gated: N gate and N up outputs); zeroed by the caller. */
@@ -330,12 +313,12 @@ int64_t i8_packed_size(int64_t N, int64_t K, int gated) {
  * their weight lanes, weight sums and scales; nothing else is written. Threads take whole blocks. */
 int i8_pack_weight(const int8_t* qw, int64_t ldq, const float* scales, int64_t rows, int64_t K, int role,
                    int64_t first, int8_t* packed, int threads) {
-  if (rows < 1 || !i8_inner_fits(K) || first < 0 || ldq < K || role < I8_PLAIN || role > I8_UP) return I8_BAD_ARGS;
+  if (rows < 1 || !i8_inner_fits(K) || first < 0 || ldq < K || role < CB_ROLE_PLAIN || role > CB_ROLE_UP) return CB_BAD_ARGS;
   const int64_t Kp = i8_inner_padded(K), bytes = i8_block_bytes(Kp);
   const int64_t b0 = i8_block_of(first, role), b1 = i8_block_of(first + rows - 1, role) + 1;
   _Pragma("omp parallel for num_threads(threads) schedule(static)")
   for (int64_t b = b0; b < b1; ++b) {
-    const int per_block = role == I8_PLAIN ? I8_BLOCK : I8_BLOCK / 2;
+    const int per_block = role == CB_ROLE_PLAIN ? I8_BLOCK : I8_BLOCK / 2;
     const int64_t n0 = b * per_block < first ? first : b * per_block;
     const int64_t n1 = (b + 1) * per_block < first + rows ? (b + 1) * per_block : first + rows;
     int8_t* dst = packed + b * bytes;
@@ -361,7 +344,7 @@ int i8_pack_weight(const int8_t* qw, int64_t ldq, const float* scales, int64_t r
  * (ldo apart) and scales [count]. */
 int i8_unpack_weight(const int8_t* packed, int64_t K, int role, int64_t first, const int64_t* ids, int64_t count,
                      int8_t* qw, int64_t ldo, float* scales, int threads) {
-  if (count < 0 || !i8_inner_fits(K) || ldo < K || role < I8_PLAIN || role > I8_UP) return I8_BAD_ARGS;
+  if (count < 0 || !i8_inner_fits(K) || ldo < K || role < CB_ROLE_PLAIN || role > CB_ROLE_UP) return CB_BAD_ARGS;
   const int64_t Kp = i8_inner_padded(K), bytes = i8_block_bytes(Kp);
   _Pragma("omp parallel for num_threads(threads) schedule(static)")
   for (int64_t i = 0; i < count; ++i) {
@@ -409,7 +392,7 @@ static void i8_quantize_row(const void* x, int64_t ldx, int x_bf16, int64_t m, i
 /* x [M, K] (rows ldx apart, bf16 or fp32) -> xq [M, Kp] int8 and sx [M]: what i8_linear does first. */
 int i8_quantize_rows(const void* x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int8_t* xq, float* sx,
                      int threads) {
-  if (M < 0 || !i8_inner_fits(K) || ldx < K) return I8_BAD_ARGS;
+  if (M < 0 || !i8_inner_fits(K) || ldx < K) return CB_BAD_ARGS;
   const int64_t Kp = i8_inner_padded(K);
   _Pragma("omp parallel for num_threads(threads) schedule(static)")
   for (int64_t m = 0; m < M; ++m) i8_quantize_row(x, ldx, x_bf16, m, K, Kp, xq, sx);
@@ -434,12 +417,12 @@ static inline void i8_store(void* y, int64_t at, int y_bf16, float value) {
 static void i8_emit(const i8_target* t, const int8_t* block, const float* sx, int64_t b, int64_t m, int rows,
                     i8_tile acc) {
   const float* sw = (const float*)(block + t->Kp * I8_BLOCK + I8_BLOCK * 4);
-  if (t->mode == I8_MODE_PLAIN || t->mode == I8_MODE_INT) {
+  if (t->mode == CB_MODE_PLAIN || t->mode == CB_MODE_INT) {
     const int64_t n0 = b * I8_BLOCK;
     const int cols = t->N - n0 < I8_BLOCK ? (int)(t->N - n0) : I8_BLOCK;
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < cols; ++j) {
-        if (t->mode == I8_MODE_INT) {
+        if (t->mode == CB_MODE_INT) {
           ((int32_t*)t->y)[(m + r) * t->ldy + n0 + j] = acc[r][j];
           continue;
         }
@@ -459,7 +442,7 @@ static void i8_emit(const i8_target* t, const int8_t* block, const float* sx, in
       g[j] = fmaf((float)acc[r][j], sg, t->bias ? t->bias[n0 + j] : 0.f);
       u[j] = fmaf((float)acc[r][half + j], su, t->up_bias ? t->up_bias[n0 + j] : 0.f);
     }
-    if (t->mode == I8_MODE_RAW) {
+    if (t->mode == CB_MODE_RAW) {
       for (int j = 0; j < cols; ++j) {
         i8_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, g[j]);
         i8_store(t->y, (m + r) * t->ldy + t->N + n0 + j, t->y_bf16, u[j]);
@@ -475,25 +458,25 @@ static void i8_emit(const i8_target* t, const int8_t* block, const float* sx, in
 /* ---- the driver --------------------------------------------------------------------------------------- */
 
 /* y = the mode's function of x [M, K] (rows ldx apart, bf16 or fp32) and the packed W of N outputs over K; y
- * rows ldy apart (fp32 or bf16; int32 in I8_MODE_INT). xq: scratch of i8_scratch_bytes(M, K); sx: M floats.
- * Returns 0, I8_BAD_ARGS, I8_NO_MEMORY, or I8_NO_VARIANT where this CPU cannot run it.
+ * rows ldy apart (fp32 or bf16; int32 in CB_MODE_INT). xq: scratch of i8_scratch_bytes(M, K); sx: M floats.
+ * Returns 0, CB_BAD_ARGS, CB_NO_MEMORY, or CB_NO_VARIANT where this CPU cannot run it.
  *
  * Threads quantize the rows, then split the work by output blocks within a chunk of rows, never by k; the
  * int32 sums of a chunk's rows are carried from one K step to the next, and none of that changes a sum. */
 int64_t i8_scratch_bytes(int64_t M, int64_t K) { return (M + I8_ROWS - 1) / I8_ROWS * I8_ROWS * i8_inner_padded(K); }
 
-int i8_linear(const void* x, int64_t ldx, int x_bf16, const int8_t* packed, int64_t N, int64_t K, int mode,
-              const float* bias, const float* up_bias, void* y, int64_t ldy, int y_bf16, int64_t M, int8_t* xq,
-              float* sx, int variant, int threads) {
-  if (M < 0 || N < 1 || !i8_inner_fits(K) || ldx < K || mode < I8_MODE_PLAIN || mode > I8_MODE_INT)
-    return I8_BAD_ARGS;
+static int i8_linear_run(const void* x, int64_t ldx, int x_bf16, const int8_t* packed, int64_t N, int64_t K,
+                         int mode, const float* bias, const float* up_bias, void* y, int64_t ldy, int y_bf16,
+                         int64_t M, int8_t* xq, float* sx, int variant, int threads) {
+  if (M < 0 || N < 1 || !i8_inner_fits(K) || ldx < K || mode < CB_MODE_PLAIN || mode > CB_MODE_INT)
+    return CB_BAD_ARGS;
   const i8_rows_fn rows_fn = i8_rows_for(variant);
-  if (!rows_fn) return I8_NO_VARIANT;
-  /* small row groups of I8_AMX on VNNI (the same sums), where this CPU has it */
-  const i8_rows_fn small_fn = variant == I8_AMX && i8_variant_runs(I8_VNNI) ? i8_rows_for(I8_VNNI) : rows_fn;
-  const int tiles_used = variant == I8_AMX && (M >= I8_AMX_MIN_ROWS || small_fn == rows_fn);
+  if (!rows_fn) return CB_NO_VARIANT;
+  /* small row groups of CB_I8_AMX on VNNI (the same sums), where this CPU has it */
+  const i8_rows_fn small_fn = variant == CB_I8_AMX && i8_variant_runs(CB_I8_VNNI) ? i8_rows_for(CB_I8_VNNI) : rows_fn;
+  const int tiles_used = variant == CB_I8_AMX && (M >= I8_AMX_MIN_ROWS || small_fn == rows_fn);
   if (M == 0) return 0;
-  const int gated = mode == I8_MODE_SILU || mode == I8_MODE_RAW;
+  const int gated = mode == CB_MODE_SILU || mode == CB_MODE_RAW;
   const int64_t Kp = i8_inner_padded(K), bytes = i8_block_bytes(Kp), quads = Kp / 4;
   const int64_t blocks = (N + (gated ? I8_BLOCK / 2 : I8_BLOCK) - 1) / (gated ? I8_BLOCK / 2 : I8_BLOCK);
   const int64_t padded_rows = (M + I8_ROWS - 1) / I8_ROWS * I8_ROWS;
@@ -543,7 +526,13 @@ int i8_linear(const void* x, int64_t ldx, int x_bf16, const int8_t* packed, int6
     if (tiles_used) i8_amx_release();
 #endif
   }
-  return failed ? I8_NO_MEMORY : 0;
+  return failed ? CB_NO_MEMORY : 0;
+}
+
+/* The entry point: `scratch` i8_scratch_bytes for the quantized rows, `row_scales` [M] (cbrun_abi.h). */
+int i8_linear(const cb_linear_params* a) {
+  return i8_linear_run(a->x, a->ldx, a->x_bf16, a->packed, a->N, a->K, a->mode, a->bias, a->up_bias, a->y, a->ldy,
+                       a->y_bf16, a->M, a->scratch, a->row_scales, a->variant, a->threads);
 }
 
 int i8_block_outputs(void) { return I8_BLOCK; }

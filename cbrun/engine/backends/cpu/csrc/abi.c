@@ -1,0 +1,13 @@
+/* The sizes of the parameter structs (cbrun_abi.h), so that the loader can refuse a library whose structs
+ * differ from kernel_abi.py's before any kernel reads one. */
+#include <stddef.h>
+
+#include "cbrun_abi.h"
+
+int64_t cb_abi_size(int which) {
+  switch (which) {
+    case CB_ABI_ATTEND: return (int64_t)sizeof(cb_attend_params);
+    case CB_ABI_LINEAR: return (int64_t)sizeof(cb_linear_params);
+    default: return -1;
+  }
+}

@@ -1,0 +1,182 @@
+"""The bf16 pair-dot linears (linear_dpbf16.c) from Python: packing weights once, and the GEMM on the packed blocks.
+
+Part of the kernels object (CpuKernels takes these methods), in a file of
+their own: the packed layout and its checks are one role. The variant a call
+runs ("scalar", "twin", "isa") is chosen by the linear method after the load
+found which run here (isa_variants.py); see linear_dpbf16.c for the arithmetic
+all three share.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from cbrun.engine.backends.cpu.isa_variants import IsaVariants
+from cbrun.engine.backends.cpu.kernel_abi import (
+    MODES,
+    ROLES,
+    VARIANTS,
+    KernelError,
+    LinearParams,
+    check,
+    is_bf16,
+    optional_ptr,
+    ptr,
+    threads,
+    unit_stride_rows,
+)
+
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PairDotKernels:
+    """linear_dpbf16.c's entry points on the loaded library, with their arguments checked."""
+
+    _lib: ctypes.CDLL
+    _local: threading.local
+    variants: IsaVariants
+    dp_block_outputs: int  # outputs per packed block (DP_BLOCK)
+
+    DP_VARIANTS = VARIANTS["dp"]  # the variant numbers (kernel_abi), by name
+    DP_ROLES = ROLES  # a weight's role in a packed matrix: all of it, or a gated matrix's gate or up half
+
+    def dp_variant_runs(self, variant: str) -> bool:
+        """Whether this CPU runs a variant of the pair kernels, linear and attention alike ("isa": AVX512-BF16)."""
+        return self.variants.runnable("dp", variant)
+
+    dp_attention_runs = dp_variant_runs  # one C function answers both (dp_pairs.h)
+
+    def dp_packed(self, outputs: int, inner: int, gated: bool = False) -> torch.Tensor:
+        """An empty packed matrix (zeros): `outputs` outputs of `inner` inputs (gated: that many gate and up rows)."""
+        size = self._lib.dp_packed_size(outputs, inner, int(gated))
+        packed = torch.empty(size, dtype=torch.int16)
+        blocks = size // ((inner + inner % 2) * self.dp_block_outputs)
+        check(self._lib.dp_zero_blocks(ptr(packed), blocks, inner, threads()), "dp_packed")
+        return packed  # zeros, each block first touched by the thread that computes it
+
+    def dp_pack_into(
+        self, packed: torch.Tensor, inner: int, weight: torch.Tensor, role: str = "plain", first: int = 0
+    ) -> None:
+        """Write bf16 `weight` [n, K] (rows unit-stride) as outputs first .. first + n - 1 of `role` into `packed`."""
+        if (
+            weight.dtype != torch.bfloat16
+            or weight.dim() != 2
+            or weight.shape[1] != inner
+            or weight.stride(1) != 1
+            or weight.device.type != "cpu"
+        ):
+            raise KernelError(
+                f"dp_pack: weight {tuple(weight.shape)} {weight.dtype} is not a bf16 CPU matrix of {inner} columns"
+            )
+        status = self._lib.dp_pack_weight(
+            ptr(weight),
+            weight.stride(0),
+            weight.shape[0],
+            inner,
+            ROLES[role],
+            first,
+            ptr(packed),
+            threads(),
+        )
+        check(status, "dp_pack")
+
+    def dp_unpack(
+        self,
+        packed: torch.Tensor,
+        inner: int,
+        role: str = "plain",
+        first: int = 0,
+        count: int = 0,
+        ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Outputs of `role` back out of `packed`, bit for bit, as bf16 rows [count, K]: first .. first + count - 1,
+        or the outputs `ids` (int64 [T]: a tied head's embedding lookup) when given."""
+        if ids is not None:
+            if ids.dtype != torch.int64 or not ids.is_contiguous():
+                raise KernelError("dp_unpack: ids must be contiguous int64")
+            count = ids.numel()
+        out = torch.empty(count, inner, dtype=torch.bfloat16)
+        status = self._lib.dp_unpack_weight(
+            ptr(packed),
+            inner,
+            ROLES[role],
+            first,
+            optional_ptr(ids),
+            count,
+            ptr(out),
+            inner,
+            threads(),
+        )
+        check(status, "dp_unpack")
+        return out
+
+    def dp_pack(self, weight: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 weight [N, K] (gated: gate [N, K] and up [N, K]) -> its packed blocks, flat int16."""
+        if up is not None and up.shape != weight.shape:
+            raise KernelError("dp_pack: gate and up weights differ in shape")
+        rows, inner = weight.shape
+        packed = self.dp_packed(rows, inner, gated=up is not None)
+        if up is None:
+            self.dp_pack_into(packed, inner, weight)
+        else:
+            self.dp_pack_into(packed, inner, weight, "gate")
+            self.dp_pack_into(packed, inner, up, "up")
+        return packed
+
+    def dp_linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        outputs: int,
+        inner: int,
+        variant: str,
+        bias: torch.Tensor | None = None,
+        up_bias: torch.Tensor | None = None,
+        gated: bool | str = False,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """x [M, K] (bf16, or fp32 rounded to bf16) @ packed W^T (+ fp32 bias) -> [M, N] in `out_dtype`
+        (default x's); gated: silu(x @ Wg^T + bias) * (x @ Wu^T + up_bias); gated="raw": both sums (+ biases)
+        side by side, [M, 2N]. See linear_dpbf16.c."""
+        x = unit_stride_rows(x)
+        rows, width = x.shape
+        if width != inner or x.dtype not in LINEAR_DTYPES or packed.dtype != torch.int16:
+            raise KernelError(f"dp_linear: x [{rows}, {width}] {x.dtype} does not fit a packed [{outputs}, {inner}]")
+        for b in (bias, up_bias):
+            if b is not None and (b.dtype != torch.float32 or b.shape != (outputs,) or not b.is_contiguous()):
+                raise KernelError(f"dp_linear: bias {tuple(b.shape)} {b.dtype} is not fp32 [{outputs}]")
+        mode = MODES["raw"] if gated == "raw" else MODES["silu"] if gated else MODES["plain"]
+        out = torch.empty(rows, outputs * (2 if mode == MODES["raw"] else 1), dtype=out_dtype or x.dtype)
+        if out.dtype not in LINEAR_DTYPES:
+            raise KernelError(f"dp_linear: output dtype {out.dtype}")
+        params = LinearParams(
+            x=ptr(x),
+            packed=ptr(packed),
+            bias=optional_ptr(bias),
+            up_bias=optional_ptr(up_bias),
+            y=ptr(out),
+            scratch=ptr(self._dp_scratch(rows * (inner + inner % 2))),
+            ldx=x.stride(0),
+            N=outputs,
+            K=inner,
+            ldy=out.stride(0),
+            M=rows,
+            x_bf16=is_bf16(x),
+            y_bf16=is_bf16(out),
+            mode=mode,
+            variant=VARIANTS["dp"][variant],
+            threads=threads(),
+        )
+        status = self._lib.dp_linear(ctypes.byref(params))
+        check(status, "dp_linear")
+        return out
+
+    def _dp_scratch(self, elements: int) -> torch.Tensor:
+        """Room for dp_linear's bf16 copy of x, kept per thread and grown on demand."""
+        scratch = getattr(self._local, "dp_rows", None)
+        if scratch is None or scratch.numel() < max(1, elements):
+            scratch = self._local.dp_rows = torch.empty(max(1, elements), dtype=torch.int16)
+        return scratch
