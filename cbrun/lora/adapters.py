@@ -1,7 +1,7 @@
 """The engine's LoRA adapters: loaded once, held in fp32, applied row by row to the requests that name them.
 
-Each adapted linear of an adapter keeps A [r, K] and B [N, r] in fp32 and
-computes `scaling * B(A(x))` through the backend's fp32 linear arithmetic
+Each adapted linear of an adapter keeps A [r, K] and scaling * B [N, r] in
+fp32 and computes `(scaling * B)(A(x))` through the backend's fp32 linear arithmetic
 (on CPU the compiled kernel, which reads them in place; elsewhere torch),
 whatever the model's dtype: PEFT also keeps adapters in fp32 over bf16
 models. The delta of a row depends on that row alone (lora/step.py).
@@ -39,17 +39,18 @@ Linear = Callable[[torch.Tensor], torch.Tensor]  # fp32 x [n, K] -> fp32 [n, N]
 
 @dataclass
 class AdapterLinear:
-    """One adapted linear: A and B (fp32, held here) as callables of the backend's arithmetic, and the scaling."""
+    """One adapted linear: A and B (fp32, held here; B with the scaling folded in) as callables of the backend's
+    arithmetic."""
 
     a: torch.Tensor  # [r, K] fp32
-    b: torch.Tensor  # [N, r] fp32
+    b: torch.Tensor  # [N, r] fp32, times the scaling
     scaling: float
     through_a: Linear
     through_b: Linear
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, K] -> scaling * B(A(x)) [n, N] fp32."""
-        return self.through_b(self.through_a(x.float())) * self.scaling
+        """x [n, K] -> (scaling * B)(A(x)) [n, N] fp32."""
+        return self.through_b(self.through_a(x.float()))
 
 
 @dataclass
@@ -66,7 +67,7 @@ class LoadedAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(lin.a.numel() * 4 + lin.b.numel() * 4 for lin in self.linears.values())
+        return sum(lin.a.numel() * 4 + lin.b.numel() * 4 for lin in self.linears.values())  # fp32
 
 
 class LoRAAdapters:
@@ -187,9 +188,9 @@ class LoRAAdapters:
         return module
 
     def _linear(self, a: torch.Tensor, b: torch.Tensor, scaling: float) -> AdapterLinear:
-        a32 = a.detach().to("cpu" if a.device.type == "meta" else a.device, torch.float32).contiguous()
-        b32 = b.detach().to(a32.device, torch.float32).contiguous()
-        return AdapterLinear(a32, b32, float(scaling), self.linear_for(a32), self.linear_for(b32))
+        a32 = a.detach().to(a.device, torch.float32).contiguous()
+        scaled = (b.detach().to(a32.device, torch.float32) * scaling).contiguous()  # one rounding, at load
+        return AdapterLinear(a32, scaled, float(scaling), self.linear_for(a32), self.linear_for(scaled))
 
     def check_shapes(self, name: str, weights: AdapterWeights) -> None:
         """Raise AdapterError unless every pair fits its module (A [r, in], B [out, r]) and r <= max_rank."""

@@ -4,7 +4,7 @@ The engine lays a step's tokens end to end (step/batch.py); a request that
 names an adapter puts its tokens in that adapter's rows. Every adapted linear
 then adds, to its output rows of each adapter,
 
-    delta = scaling * B(A(x_rows))      x_rows [n, K] -> [n, r] -> [n, N], fp32
+    delta = (scaling * B)(A(x_rows))    x_rows [n, K] -> [n, r] -> [n, N], fp32
 
 computed on the rows of that adapter alone, gathered, through the backend's
 linear arithmetic (on CPU the compiled fp32 kernel, which gives a row the
@@ -61,6 +61,13 @@ class StepLoRA:
             linear = adapter.linears.get(module)
             if linear is None:
                 continue
+            if len(rows) == self.num_tokens:  # the whole step runs this adapter: no gathering
+                delta = linear.delta(x)  # [T, N] fp32
+                if y.dtype == torch.float32:
+                    y.add_(delta)
+                else:
+                    y.copy_(y.float() + delta)
+                continue
             rows = rows.to(x.device)
             delta = linear.delta(x.index_select(0, rows))  # [n, N] fp32
             if y.dtype == torch.float32:
@@ -68,30 +75,51 @@ class StepLoRA:
             else:
                 y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
 
-    def add_gated(
+    def gated(
         self,
         gate: torch.nn.Module,
         up: torch.nn.Module,
         x: torch.Tensor,
-        out: torch.Tensor,
-        sums: Callable[[int, torch.Tensor], torch.Tensor],
+        whole: Callable[[torch.Tensor], torch.Tensor],
+        sums: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    ) -> None:
-        """A fused gated MLP's out [T, I] = silu(gate) * up, again for the rows of adapters of gate or up: their
-        sums (`sums(0 | 1, x_rows)`: fp32 [n, I], bias included) plus the deltas, through `silu_mul`."""
+    ) -> torch.Tensor:
+        """A fused gated MLP's silu(gate) * up [T, I] for x [T, K]: rows of no adapter of gate or up through
+        `whole` (the fused kernel, as without adapters), the others (all of them in one pass over the weights) from
+        their gate and up sums (`sums(x_rows)`: fp32 [n, I] each, biases included) plus each one's own deltas,
+        through `silu_mul` (the fused kernel's activation: the same bits for a zero delta). Each row is computed
+        once, and its numbers depend on its own input and adapter only."""
         self._check(x)
-        for adapter, rows in self.groups:
-            on_gate, on_up = adapter.linears.get(gate), adapter.linears.get(up)
-            if on_gate is None and on_up is None:
-                continue
-            rows = rows.to(x.device)
-            picked = x.index_select(0, rows)  # [n, K]
-            g, u = sums(0, picked), sums(1, picked)  # [n, I] fp32 each
+        groups = [
+            (rows.to(x.device), adapter.linears.get(gate), adapter.linears.get(up))
+            for adapter, rows in self.groups
+            if gate in adapter.linears or up in adapter.linears
+        ]
+        adapted = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        for rows, _, _ in groups:
+            adapted[rows] = True
+        union = adapted.nonzero()[:, 0]  # [n] every adapted row, ascending: one pass over gate and up for all
+        position = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+        position[union] = torch.arange(len(union), device=x.device)
+        picked = x.index_select(0, union)  # [n, K]
+        g, u = sums(picked)  # [n, I] fp32 each
+        g, u = g.clone(), u.clone()  # (views of one [n, 2I] result)
+        for rows, on_gate, on_up in groups:
+            local = position[rows]
+            mine = picked.index_select(0, local)
             if on_gate is not None:
-                g = g + on_gate.delta(picked)
+                g.index_add_(0, local, on_gate.delta(mine))
             if on_up is not None:
-                u = u + on_up.delta(picked)
-            out.index_copy_(0, rows, silu_mul(g, u).to(out.dtype))
+                u.index_add_(0, local, on_up.delta(mine))
+        activated = silu_mul(g, u)  # [n, I] fp32
+        others = (~adapted).nonzero()[:, 0]
+        if not len(others):
+            return activated
+        rest = whole(x.index_select(0, others))  # [T - n, I] in the model's dtype
+        out = torch.empty(x.shape[0], rest.shape[1], dtype=rest.dtype, device=x.device)
+        out.index_copy_(0, union, activated.to(rest.dtype))
+        out.index_copy_(0, others, rest)
+        return out
 
     def _check(self, x: torch.Tensor) -> None:
         if x.shape[0] != self.num_tokens:

@@ -96,7 +96,8 @@ def test_the_adapted_layer_equals_merged_weights_bitwise_where_the_merge_is_exac
     x, weight = dyadic(37, 64), dyadic(48, 64)
     a, b = dyadic(8, 64), dyadic(48, 8)
     scaling = 2.0  # lora_alpha 16 / r 8
-    adapted = AdapterLinear(a, b, scaling, lambda v: kernels.linear(v, a), lambda v: kernels.linear(v, b))
+    scaled = scaling * b
+    adapted = AdapterLinear(a, scaled, scaling, lambda v: kernels.linear(v, a), lambda v: kernels.linear(v, scaled))
     merged = weight + scaling * (b @ a)
     got = kernels.linear(x, weight) + adapted.delta(x)
     assert torch.equal(got, kernels.linear(x, merged))

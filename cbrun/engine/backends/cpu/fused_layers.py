@@ -224,19 +224,16 @@ def fused_forward(
     if lora is not None:
         lora.add(plan.o_proj, attended, projected)
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
-    gated = plan.gated_method(normed, plan.dtype)  # [T, I]: the down projection reads it in the model's dtype
-    if lora is not None and lora.adapts(plan.gate, plan.up):
-        sums = functools.partial(_member_sums, plan.gated_method)
-        lora.add_gated(plan.gate, plan.up, normed, gated, sums, kernels.silu_mul)
+    gated_method = plan.gated_method
+    if lora is not None and lora.adapts(plan.gate, plan.up):  # adapted rows from gate and up sums, the rest fused
+        whole = functools.partial(gated_method, out_dtype=plan.dtype)
+        gated = lora.gated(plan.gate, plan.up, normed, whole, gated_method.gated_sums, kernels.silu_mul).to(plan.dtype)
+    else:
+        gated = gated_method(normed, plan.dtype)  # [T, I]: the down projection reads it in the model's dtype
     down = plan.down_method(gated, torch.float32)  # [T, hidden]
     if lora is not None:
         lora.add(plan.down, gated, down)
     return (residual + down).to(plan.dtype).unsqueeze(0)
-
-
-def _member_sums(method: LayerMethod, index: int, x: torch.Tensor) -> torch.Tensor:
-    """A gated method's gate (0) or up (1) sums alone, fp32 [M, I], bias included."""
-    return method.member(index, x, torch.float32)
 
 
 def _fused_call(

@@ -133,6 +133,10 @@ class Int8Linear:
         out = out[:, first : first + self.widths[index]].contiguous()  # [M, N_index]
         return out.view(*x.shape[:-1], self.widths[index])
 
+    def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._call(x, "raw", torch.float32)  # [M, 2N]: gate sums, then up sums
+        return out[:, : self.outputs], out[:, self.outputs :]
+
     def quantized(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Member `index`'s int8 weights [N_index, K] and scales [N_index], exactly as packed."""
         return self.int8.unpack(self.packed, self.inner, self.roles[index], self.starts[index], self.widths[index])

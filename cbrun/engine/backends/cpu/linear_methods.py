@@ -52,6 +52,11 @@ class LayerMethod(Protocol):
         """Member `index` alone: x [M, K] -> [M, N_index] (a gated method's gate or up sums, plus bias)."""
         ...
 
+    def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gated method's gate and up sums (plus biases) in one pass: x [M, K] -> fp32 [M, N] each, whose
+        silu_mul is the gated call's result bit for bit (LoRA adds its deltas in between)."""
+        ...
+
     def weight(self, index: int) -> torch.Tensor:
         """Member `index`'s weight [N_index, K] in its dtype, exactly as it was given."""
         ...
@@ -201,6 +206,11 @@ class _InPlaceLinear:
         out = self.kernels.linear(rows, self.weights[index], self.biases[index], out_dtype)  # [M, N_index]
         return out.view(*x.shape[:-1], out.shape[-1])
 
+    def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        gate, up = (self.kernels.linear(rows, w, b, torch.float32) for w, b in zip(self.weights, self.biases))
+        return gate, up
+
     def weight(self, index: int) -> torch.Tensor:
         return self.weights[index]
 
@@ -288,6 +298,13 @@ class _PairDotLinear:
         out = out[:, first : first + self.widths[index]].contiguous()  # [M, N_index]
         return out.view(*x.shape[:-1], self.widths[index])
 
+    def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        out = self.kernels.dp_linear(
+            rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, "raw", torch.float32
+        )  # [M, 2N]: gate sums, then up sums
+        return out[:, : self.outputs], out[:, self.outputs :]
+
     def weight(self, index: int) -> torch.Tensor:
         return self.kernels.dp_unpack(
             self.packed, self.inner, self.roles[index], self.starts[index], self.widths[index]
@@ -365,6 +382,10 @@ class _BlockedOneDnn:
         first = self.starts[index]
         out = self._raw(x)[:, first : first + self.widths[index]].to(out_dtype or x.dtype)
         return out.view(*x.shape[:-1], self.widths[index])
+
+    def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = self._raw(x).float().split(self.outputs, dim=1)  # bf16 sums, widened exactly
+        return gate, up
 
     def weight(self, index: int) -> torch.Tensor:
         first = self.starts[index]
