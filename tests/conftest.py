@@ -18,6 +18,10 @@ Test tiers: `pytest -m "not slow"` is the fast tier. A test is `slow` in two way
   cluster, runs the Triton interpreter, sends signals, reads 100k rows): those
   carry `@pytest.mark.slow` by hand, with the reason beside the mark.
 
+Parallel: `pytest -n 2` (pytest-xdist) runs two workers of one compute
+thread each (set below); the full suite runs in one process, with the
+machine's threads (the tests that need two threads skip on one).
+
 The caller's environment: the tests see none of the developer's `HF_*`,
 `HUGGINGFACE_*`, `TRANSFORMERS_*` or `CBRUN_*` variables, nor a scheduler's
 shard variables (SLURM, Kubernetes, torchrun), whatever the shell exports:
@@ -63,6 +67,11 @@ def scrubbed(environ: dict[str, str]) -> dict[str, str]:
 
 for _name in set(os.environ) - set(scrubbed(dict(os.environ))):  # before transformers or the hub is imported
     del os.environ[_name]
+
+# Under pytest-xdist (the fast tier's `-n 2`) each worker computes on one thread: two workers with an OpenMP pool
+# of two threads each on two cores spin against each other and run many times slower.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its pool
 
 import pytest
 

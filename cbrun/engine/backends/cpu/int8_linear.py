@@ -36,7 +36,8 @@ import torch
 
 from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, quantize_weight
 from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, member_layout
+from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.packed_layout import member_layout
 
 PREQUANTIZED = "cbrun_int8"  # a weight tensor's attribute: its int8 form (q [N, K] int8, scale [N] fp32)
 

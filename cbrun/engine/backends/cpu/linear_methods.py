@@ -29,6 +29,8 @@ from typing import Protocol, TypeGuard
 import torch
 
 from cbrun.engine.backends.cpu.kernels import CpuKernels
+from cbrun.engine.backends.cpu.onednn_linear import BlockedOneDnn
+from cbrun.engine.backends.cpu.packed_layout import member_layout
 from cbrun.engine.weights import shareable
 
 
@@ -127,7 +129,7 @@ class LinearMethod:
         if self.kernel == "dp":
             return _PairDotLinear(kernels, self.variant, weights, biases, gated)
         if self.kernel == "onednn":
-            return _BlockedOneDnn(weights, biases, gated)
+            return BlockedOneDnn(weights, biases, gated)
         raise ValueError(f"unknown linear kernel {self.kernel!r}")
 
 
@@ -148,36 +150,6 @@ class MemberForward:
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.method.member(self.index, x, out_dtype)
-
-
-def _fp32_bias(biases: Sequence[torch.Tensor | None], widths: list[int]) -> torch.Tensor | None:
-    """The biases side by side in fp32 [sum N_i] (zeros for a missing one), or None when there are none."""
-    if all(b is None for b in biases):
-        return None
-    parts = [b.detach().float() if b is not None else torch.zeros(n) for b, n in zip(biases, widths)]
-    return torch.cat(parts).contiguous()
-
-
-def member_layout(
-    weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], gated: bool
-) -> tuple[int, list[int], int, list[str], list[int], torch.Tensor | None, torch.Tensor | None]:
-    """How a packed method lays out its members, whatever its kernel: (inner K, member widths, outputs, each
-    member's packing role, each member's first output, fp32 bias, fp32 up bias). Gated: gate and up side by side
-    per output (outputs = one member's width); else the members' outputs one after another."""
-    widths = [w.shape[0] for w in weights]
-    if gated:
-        bias, up_bias = _fp32_bias(biases[:1], widths[:1]), _fp32_bias(biases[1:], widths[:1])
-        return weights[0].shape[1], widths, widths[0], ["gate", "up"], [0, 0], bias, up_bias
-    roles, starts = ["plain"] * len(weights), _offsets(widths)
-    return weights[0].shape[1], widths, sum(widths), roles, starts, _fp32_bias(biases, widths), None
-
-
-def _offsets(widths: Sequence[int]) -> list[int]:
-    """Where each member's outputs start among the outputs side by side."""
-    starts = [0]
-    for width in widths[:-1]:
-        starts.append(starts[-1] + width)
-    return starts
 
 
 class _InPlaceLinear:
@@ -335,77 +307,3 @@ class _PairDotLinear:
     def nbytes(self) -> int:
         extra = sum(b.numel() * 4 for b in (self.bias, self.up_bias) if b is not None)
         return self.packed.numel() * 2 + extra
-
-
-class _BlockedOneDnn:
-    """oneDNN's bf16 GEMM on its packed weight, always called on one block of BLOCK rows (zero-padded).
-
-    The reordered weight is the only copy: a member is read back with an exact reorder (to_dense)."""
-
-    BLOCK = 64
-    owns_weights = True
-    serves_rows = False  # reading rows back reorders the whole matrix
-
-    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], gated: bool) -> None:
-        self.gated = gated
-        self.widths = [w.shape[0] for w in weights]
-        self.starts = _offsets(self.widths)
-        self.outputs = self.widths[0] if gated else sum(self.widths)
-        bias = _fp32_bias(biases, self.widths)
-        self.bias = bias.to(torch.bfloat16) if bias is not None else None
-        self._reorder(torch.cat([w.detach() for w in weights]).contiguous())  # [sum N_i, K] (gated: gate then up)
-
-    def _reorder(self, whole: torch.Tensor) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(whole.to(torch.bfloat16), self.BLOCK)
-
-    def _raw(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, K]
-        count = rows.shape[0]
-        padded = -(-count // self.BLOCK) * self.BLOCK
-        if padded != count:
-            rows = torch.cat([rows, rows.new_zeros(padded - count, rows.shape[1])])
-        blocks = [
-            torch.ops.mkldnn._linear_pointwise(rows[i : i + self.BLOCK], self.packed, self.bias, "none", [], "")
-            for i in range(0, padded, self.BLOCK)
-        ]
-        return torch.cat(blocks)[:count]  # [M, sum N_i] bf16
-
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        out = self._raw(x)
-        if self.gated:
-            gate, up = out.float().split(self.outputs, dim=1)
-            out = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
-        out = out.to(out_dtype or x.dtype)
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        first = self.starts[index]
-        out = self._raw(x)[:, first : first + self.widths[index]].to(out_dtype or x.dtype)
-        return out.view(*x.shape[:-1], self.widths[index])
-
-    def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up = self._raw(x).float().split(self.outputs, dim=1)  # bf16 sums, widened exactly
-        return gate, up
-
-    def weight(self, index: int) -> torch.Tensor:
-        first = self.starts[index]
-        return self.packed.to_dense()[first : first + self.widths[index]].clone()
-
-    def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
-        first = self.starts[index]
-        if weight is not None:
-            whole = self.packed.to_dense()
-            whole[first : first + self.widths[index]] = weight.detach()
-            self._reorder(whole)
-        if bias is not None and self.bias is not None:
-            self.bias[first : first + self.widths[index]] = bias.detach().to(torch.bfloat16)
-
-    def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight(index).index_select(0, ids)
-
-    def release(self) -> None:
-        self.packed = torch.empty(0, dtype=torch.bfloat16)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.widths) * self.packed.shape[1] * 2 + (self.bias.numel() * 2 if self.bias is not None else 0)
