@@ -21,6 +21,7 @@ from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
 from cbrun.engine.backends.cpu.isa_variants import choose_attention_dp_variant, probe_scores
 from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.metadata import PagedRows
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -119,7 +120,7 @@ def _attention_case(heads, kv_heads, dim, page):
     tasks = plan_tasks(seqs, page, kernels.segment, windowed=False)
     q = torch.randn(len(lengths), heads, dim).bfloat16()
     kv_len, zeros, rows = torch.tensor(lengths), torch.zeros(len(lengths), dtype=torch.long), torch.arange(len(lengths))
-    return lengths, (q, k_pool, v_pool, tables, rows, zeros, kv_len, zeros, tasks, dim**-0.5)
+    return lengths, (q, k_pool, v_pool, PagedRows(tables, rows, zeros, kv_len, zeros), tasks, dim**-0.5)
 
 
 def attention_through(variant: str) -> list[torch.Tensor]:
@@ -143,7 +144,8 @@ def test_attention_through_every_variant_is_one_result(case):
             results[variant] = attention_through(variant)[CASES.index(case)]
     for variant, out in results.items():
         assert torch.equal(out, results["scalar"]), variant
-    q, k_pool, v_pool, tables = args[:4]
+    q, k_pool, v_pool, paged = args[:4]
+    tables = paged.tables
     group = heads // kv_heads
     for r, n in enumerate(lengths):
         positions = torch.arange(n)

@@ -17,6 +17,7 @@ from helpers import make_prompts, save_tiny_model
 from cbrun.engine import EngineConfig
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.metadata import PagedRows
 from cbrun.engine.backends.torch_attention import TorchRows, decode as torch_decode
 from cbrun.models import load_model
 
@@ -54,7 +55,8 @@ def test_decode_rows_at_long_contexts_match_torch(heads, kv_heads, dim, dtype):
     seqs = [SequenceRows(i, int(n) - 1, 1, t.tolist(), 0) for i, (t, n) in enumerate(zip(tables, lengths))]
     tasks = plan_tasks(seqs, PAGE, kernels.segment, windowed=False)
     zeros = torch.zeros(len(lengths), dtype=torch.long)
-    got = kernels.attend(q, k_pool, v_pool, tables, torch.arange(len(lengths)), zeros, lengths, zeros, tasks, dim**-0.5)
+    paged = PagedRows(tables, torch.arange(len(lengths)), zeros, lengths, zeros)
+    got = kernels.attend(q, k_pool, v_pool, paged, tasks, dim**-0.5)
     expected = _reference(q.transpose(0, 1), k_pool, v_pool, tables, lengths, dim**-0.5)
     tol = TOLERANCE[dtype]
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
@@ -72,7 +74,7 @@ def test_a_prefill_chunk_over_an_8k_cached_context_matches_torch(dtype):
     tasks = plan_tasks([SequenceRows(0, start, count, table[0].tolist(), 0)], PAGE, kernels.segment, windowed=False)
     kv_len = torch.arange(start + 1, start + count + 1)
     zeros = torch.zeros(count, dtype=torch.long)
-    got = kernels.attend(q, k_pool, v_pool, table, zeros, zeros[:1], kv_len, zeros, tasks, dim**-0.5)
+    got = kernels.attend(q, k_pool, v_pool, PagedRows(table, zeros, zeros[:1], kv_len, zeros), tasks, dim**-0.5)
     expected = _reference(q.transpose(0, 1), k_pool, v_pool, table.expand(count, -1), kv_len, dim**-0.5)
     tol = TOLERANCE[dtype]
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)

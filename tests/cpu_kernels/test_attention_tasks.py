@@ -7,6 +7,7 @@ import torch
 
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.metadata import PagedRows
 
 
 def _tasks(seqs, page=16, segment=128, max_rows=16):
@@ -51,6 +52,7 @@ def test_a_causal_chunk_gives_each_row_its_bits_alone(dtype):
     planned = plan_tasks([SequenceRows(0, 0, count, table.tolist(), 0)], page, kernels.segment, False)
     assert int(planned[2].max()) > 0
     alone = (torch.arange(count), torch.arange(count + 1), torch.zeros(count, dtype=torch.long))
-    together = kernels.attend(q, k_pool, v_pool, tables, rows, zeros[:1], kv_len, zeros, planned, 0.125)
-    single = kernels.attend(q, k_pool, v_pool, tables, rows, zeros[:1], kv_len, zeros, alone, 0.125)
+    paged = PagedRows(tables, rows, zeros[:1], kv_len, zeros)
+    together = kernels.attend(q, k_pool, v_pool, paged, planned, 0.125)
+    single = kernels.attend(q, k_pool, v_pool, paged, alone, 0.125)
     assert torch.equal(together, single)

@@ -5,6 +5,7 @@ import torch
 
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.metadata import PagedRows
 from cbrun.engine.backends.torch_attention import TorchRows, decode as torch_decode
 
 kernels = load_cpu_kernels()
@@ -27,7 +28,7 @@ def _attend_decodes(q, k_pool, v_pool, tables, kv_len, kv_lo, first_page, scale)
     ]
     tasks = plan_tasks(seqs, k_pool.shape[2], kernels.segment, windowed=bool(kv_lo.any()))
     rows = torch.arange(len(seqs))
-    return kernels.attend(q, k_pool, v_pool, tables, rows, first_page, kv_len, kv_lo, tasks, scale)
+    return kernels.attend(q, k_pool, v_pool, PagedRows(tables, rows, first_page, kv_len, kv_lo), tasks, scale)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

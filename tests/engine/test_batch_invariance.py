@@ -17,6 +17,7 @@ from engine_helpers import random_prompts
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
 from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.metadata import PagedRows
 from cbrun.models import load_model
 
 kernels = load_cpu_kernels()
@@ -88,7 +89,7 @@ def _attend(q, k_pool, v_pool, seqs: list[SequenceRows], lengths, scale=0.25, wi
     kv_lo = (kv_len - window).clamp(min=0) if window else torch.zeros_like(kv_len)
     first = torch.tensor([s.first_page for s in seqs])
     tasks = plan_tasks(seqs, page, kernels.segment, windowed)
-    return kernels.attend(q, k_pool, v_pool, tables, row_seq, first, kv_len, kv_lo, tasks, scale), tasks
+    return kernels.attend(q, k_pool, v_pool, PagedRows(tables, row_seq, first, kv_len, kv_lo), tasks, scale), tasks
 
 
 def _reference(q_row, k_pool, v_pool, table, length, scale, lo=0):
@@ -156,7 +157,7 @@ def test_a_large_shared_task_gives_each_row_its_bits_alone(dtype):
     )
     one_task = plan_tasks(seqs, page, kernels.segment, False, max_rows=count)
     assert one_task[1].tolist() == [0, count] and int(one_task[2][0]) == 256
-    crowd = kernels.attend(q, k_pool, v_pool, *args, one_task, 0.25)
+    crowd = kernels.attend(q, k_pool, v_pool, PagedRows(*args), one_task, 0.25)
     for i, seq in enumerate(seqs):
         alone, _ = _attend(
             q[i : i + 1].contiguous(), k_pool, v_pool, [SequenceRows(0, seq.start, 1, seq.table, 0)], [lengths[i]]
@@ -201,11 +202,11 @@ def test_attend_refuses_inconsistent_tasks():
     args = (tables, torch.tensor([0, 1]), torch.tensor([0, 0]), torch.tensor([70, 70]), torch.tensor([0, 0]))
     shared = (torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([64]))  # pages 2-3 differ: only 32 shared
     with pytest.raises(KernelError):
-        kernels.attend(q, k_pool, v_pool, *args, shared, 0.25)
+        kernels.attend(q, k_pool, v_pool, PagedRows(*args), shared, 0.25)
     beyond = (tables, torch.tensor([0, 1]), torch.tensor([0, 0]), torch.tensor([70, 90]), torch.tensor([0, 0]))
     alone = (torch.tensor([0, 1]), torch.tensor([0, 1, 2]), torch.tensor([0, 0]))
     with pytest.raises(KernelError):  # row 1 reads past its table's block ids (block 9 of 40 is fine, 90 keys not)
-        kernels.attend(q, k_pool, v_pool, *beyond[:3], torch.tensor([70, 81]), beyond[4], alone, 0.25)
+        kernels.attend(q, k_pool, v_pool, PagedRows(*beyond[:3], torch.tensor([70, 81]), beyond[4]), alone, 0.25)
 
 
 # -- engine -------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from cbrun.engine.backends.cuda.triton_attention import (
     plan_query_blocks,
     reference_paged_attention,
 )
+from cbrun.engine.backends.metadata import PagedRows
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")  # set at process start
@@ -74,17 +75,8 @@ class Case:
     scale: float
 
     def args(self) -> tuple:
-        return (
-            self.q,
-            self.k_pool,
-            self.v_pool,
-            self.tables,
-            self.row_seq,
-            self.first_page,
-            self.kv_len,
-            self.kv_lo,
-            self.scale,
-        )
+        paged = PagedRows(self.tables, self.row_seq, self.first_page, self.kv_len, self.kv_lo)
+        return (self.q, self.k_pool, self.v_pool, paged, self.scale)
 
 
 def make_case(
@@ -270,8 +262,10 @@ from cbrun.engine.backends.cuda import triton_attention as ta
 assert not ta.triton_available()
 q = torch.zeros(1, 1, 16)
 pool = torch.zeros(1, 1, 4, 16)
-args = (q, pool, pool, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
-        torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1.0)
+from cbrun.engine.backends.metadata import PagedRows
+paged = PagedRows(torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
+                  torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+args = (q, pool, pool, paged, 1.0)
 assert ta.reference_paged_attention(*args).shape == (1, 1, 16)
 try:
     ta.paged_attention(*args)

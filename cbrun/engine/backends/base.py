@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from cbrun.engine.backends import openmp, torch_attention
-from cbrun.engine.backends.metadata import AttentionMetadataBuilder, PrefillSeq, RowLayout, SequenceRows
+from cbrun.engine.backends.metadata import AttentionMetadataBuilder, PagedRows, PrefillSeq, RowLayout, SequenceRows
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
 from cbrun.engine.sample.sampler import Sampled, sample
@@ -115,14 +115,10 @@ class Backend(Protocol):
 
 
 @dataclass
-class KernelRows(RowLayout):
-    """Every query token of the step a row of its sequence's block table, read in place by a compiled kernel."""
+class KernelRows(PagedRows, RowLayout):
+    """Every query token of the step a row of its sequence's block table (PagedRows), read in place by a compiled
+    kernel, with that kernel's own plan of the rows."""
 
-    tables: torch.Tensor  # [S, max_pages] int64 block ids of each sequence, padded with its first
-    row_seq: torch.Tensor  # [R] the sequence (table) of each row
-    first_page: torch.Tensor  # [S] logical page of each table's first entry
-    kv_len: torch.Tensor  # [R] keys visible at positions < kv_len ...
-    kv_lo: torch.Tensor  # [R] ... and >= kv_lo (sliding window), else 0
     plan: tuple[Any, ...]  # the backend's own plan of the rows, tensors and sizes (the CPU tasks, the Triton blocks)
 
 

@@ -44,6 +44,18 @@ class RowLayout:
 
 
 @dataclass
+class PagedRows:
+    """Where every query row's keys lie in the page pools: what a compiled paged attention reads, the CPU kernel
+    and the Triton kernel alike (one description, not nine arguments apiece)."""
+
+    tables: torch.Tensor  # [S, max_pages] int64 block ids of each sequence, padded with its first
+    row_seq: torch.Tensor  # [R] the sequence (table) of each row
+    first_page: torch.Tensor  # [S] logical page of each table's first entry
+    kv_len: torch.Tensor  # [R] keys visible at positions < kv_len ...
+    kv_lo: torch.Tensor  # [R] ... and >= kv_lo (sliding window), else 0
+
+
+@dataclass
 class PrefillSeq:
     """One chunk attended whole: its flat token range and what its queries attend to."""
 

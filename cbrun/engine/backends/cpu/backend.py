@@ -64,11 +64,7 @@ class CpuAttention:
             query.transpose(0, 1).contiguous(),
             k_pool,
             v_pool,
-            rows.tables,
-            rows.row_seq,
-            rows.first_page,
-            rows.kv_len,
-            rows.kv_lo,
+            rows,
             rows.plan,
             scale,
         )

@@ -48,6 +48,7 @@ from cbrun.engine.backends.cpu.kernel_abi import (
     unit_stride_rows,
 )
 from cbrun.engine.backends.cpu.pair_dot_kernels import LINEAR_DTYPES, PairDotKernels
+from cbrun.engine.backends.metadata import PagedRows
 
 
 class CpuKernels(PairDotKernels):
@@ -86,20 +87,23 @@ class CpuKernels(PairDotKernels):
         q: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        tables: torch.Tensor,
-        row_seq: torch.Tensor,
-        first_page: torch.Tensor,
-        kv_len: torch.Tensor,
-        kv_lo: torch.Tensor,
+        paged: PagedRows,
         tasks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         scale: float,
     ) -> torch.Tensor:
         """Attention of every query row over its own keys, read in place from the page pools.
 
-        q [R, H, D] contiguous; pools [H_kv, NB, P, D] contiguous, q's dtype; tables [S, max_pages],
-        row_seq [R], first_page [S], kv_len [R], kv_lo [R] and the task triple (rows [R], start
-        [T + 1], shared keys [T]) int64 (see attention.c). Returns out [R, H, D].
+        q [R, H, D] contiguous; pools [H_kv, NB, P, D] contiguous, q's dtype; `paged`'s tables [S, max_pages],
+        row_seq [R], first_page [S], kv_len [R], kv_lo [R] and the task triple (rows [R], start [T + 1], shared
+        keys [T]) int64 (see attention.c). Returns out [R, H, D].
         """
+        tables, row_seq, first_page, kv_len, kv_lo = (
+            paged.tables,
+            paged.row_seq,
+            paged.first_page,
+            paged.kv_len,
+            paged.kv_lo,
+        )
         rows, heads, dim = q.shape
         num_kv, num_blocks, page, _ = k_pool.shape
         if (

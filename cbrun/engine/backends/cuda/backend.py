@@ -29,7 +29,7 @@ import torch
 
 from cbrun.engine.backends.base import KernelRows
 from cbrun.engine.backends.kernel_backend import KernelBackend
-from cbrun.engine.backends.metadata import SequenceRows
+from cbrun.engine.backends.metadata import PagedRows, SequenceRows
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 
 log = logging.getLogger("cbrun.engine")
@@ -93,11 +93,7 @@ class TritonAttention:
             query.transpose(0, 1),
             k_pool,
             v_pool,
-            rows.tables,
-            rows.row_seq,
-            rows.first_page,
-            rows.kv_len,
-            rows.kv_lo,
+            rows,
             scale,
             query_blocks=blocks,
             block_rows=block_rows,
@@ -146,16 +142,14 @@ def _probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, 
     page, blocks = 16, 6
     pools = [torch.randn(kv_heads, blocks, page, dim, generator=generator).to(device, dtype) for _ in range(2)]
     q = torch.randn(3, heads, dim, generator=generator).to(device, dtype)  # [R, H, D]: a decode and a 2-token chunk
-    args = (
-        q,
-        *pools,
+    paged = PagedRows(
         torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.long, device=device),
         torch.tensor([0, 1, 1], dtype=torch.long, device=device),
         torch.zeros(2, dtype=torch.long, device=device),
         torch.tensor([37, 20, 21], dtype=torch.long, device=device),
         torch.zeros(3, dtype=torch.long, device=device),
-        dim**-0.5,
     )
+    args = (q, *pools, paged, dim**-0.5)
     try:
         got = paged_attention(*args)
     except Exception as exc:  # no compiler for this GPU, too little shared memory, an old Triton

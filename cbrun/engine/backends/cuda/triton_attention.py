@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from cbrun.engine.backends.metadata import PagedRows
+
 # Imported on first use (`triton_importable`), so importing this module never loads triton: the CPU engine never
 # needs it. Module globals, not locals, because the interpreter looks `tl` up among the kernel's globals.
 triton: Any = None
@@ -112,11 +114,7 @@ def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    tables: torch.Tensor,
-    row_seq: torch.Tensor,
-    first_page: torch.Tensor,
-    kv_len: torch.Tensor,
-    kv_lo: torch.Tensor,
+    paged: PagedRows,
     scale: float,
     query_blocks: torch.Tensor | None = None,
     block_rows: int | None = None,
@@ -124,13 +122,14 @@ def paged_attention(
     """out [R, H, D]; query_blocks from plan_query_blocks (built on host once per step and shared by all layers);
     None: plan here (this reads row_seq on the host, a synchronisation).
 
-    q [R, H, D]; k_pool, v_pool viewed [H_kv, NB, page, D] (any strides); tables [S, max_pages] int32/int64;
-    row_seq [R], first_page [S], kv_len [R], kv_lo [R] integer. `block_rows` sizes the kernel's M tile
+    q [R, H, D]; k_pool, v_pool viewed [H_kv, NB, page, D] (any strides); `paged`: tables [S, max_pages]
+    int32/int64, row_seq [R], first_page [S], kv_len [R], kv_lo [R] integer. `block_rows` sizes the kernel's M tile
     (block_rows x G, padded): pass the plan's longest block, at most the block_rows it was planned with
     (default `default_block_rows(G)`), e.g. 1 for a decode-only step so M is max(16, G) and not 64; blocks
     longer than it still come out right (the program walks them in pieces), shorter ones waste padded M.
     """
     kernel = _kernel(interpret_mode())
+    tables, row_seq = paged.tables, paged.row_seq
     num_rows, num_heads, head_dim = q.shape
     num_kv, _, page, pool_dim = k_pool.shape
     _check_shapes(q, k_pool, v_pool, num_kv, pool_dim)
@@ -153,9 +152,9 @@ def paged_attention(
         out,
         tables,
         _on(row_seq, q),
-        _on(first_page, q),
-        _on(kv_len, q),
-        _on(kv_lo, q),
+        _on(paged.first_page, q),
+        _on(paged.kv_len, q),
+        _on(paged.kv_lo, q),
         blocks,
         scale * LOG2E,
         *q.stride(),
@@ -345,14 +344,17 @@ def reference_paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    tables: torch.Tensor,
-    row_seq: torch.Tensor,
-    first_page: torch.Tensor,
-    kv_len: torch.Tensor,
-    kv_lo: torch.Tensor,
+    paged: PagedRows,
     scale: float,
 ) -> torch.Tensor:
     """The definition, in fp32 torch: each row gathers its keys kv_lo[r] <= p < kv_len[r] and attends. [R, H, D]"""
+    tables, row_seq, first_page, kv_len, kv_lo = (
+        paged.tables,
+        paged.row_seq,
+        paged.first_page,
+        paged.kv_len,
+        paged.kv_lo,
+    )
     num_rows, num_heads, head_dim = q.shape
     num_kv, _, page, _ = k_pool.shape
     group = num_heads // num_kv
