@@ -177,6 +177,7 @@ class EngineOptions:
         Optional[list[str]],
         engine_option(
             "--lora",
+            metavar="NAME=PATH",
             help="A LoRA adapter to load, NAME=PATH (a PEFT adapter directory); rows run it with a 'lora' field "
             "naming it. Repeat for several: one step runs any mix of them, each row as it runs alone.",
             show_default=False,
