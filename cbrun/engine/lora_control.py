@@ -47,7 +47,6 @@ class LoRAControl:
             path = ""
         else:
             weights, path = read_adapter(source), str(source)
-        adapters.check_shapes(name, weights)  # before the loop: a bad adapter costs no step
 
         def load() -> int:
             if name in adapters.adapters:

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from cbrun.lora.peft_files import AdapterConfig, AdapterError, AdapterWeights
 from cbrun.lora.step import StepLoRA
 
-_NO_CONFIG = AdapterConfig(1.0)  # shapes-only checks of an update's pairs
 Linear = Callable[[torch.Tensor], torch.Tensor]  # fp32 x [n, K] -> fp32 [n, N]
 
 
@@ -44,7 +43,6 @@ class AdapterLinear:
 
     a: torch.Tensor  # [r, K] fp32
     b: torch.Tensor  # [N, r] fp32, times the scaling
-    scaling: float
     through_a: Linear
     through_b: Linear
 
@@ -60,14 +58,9 @@ class LoadedAdapter:
     name: str
     lora_int_id: int
     path: str
-    rank: int
     config: AdapterConfig
     linears: dict[torch.nn.Module, AdapterLinear] = field(default_factory=dict)
     salt: bytes = b""  # the root of its requests' prefix-cache hash chains (new with every change of weights)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(lin.a.numel() * 4 + lin.b.numel() * 4 for lin in self.linears.values())  # fp32
 
 
 class LoRAAdapters:
@@ -113,17 +106,15 @@ class LoRAAdapters:
                 f"cannot load LoRA adapter {name!r}: {len(self.adapters)} are loaded and max_loras is {self.max_loras}"
                 " (remove_lora one, or raise max_loras)"
             )
-        self.check_shapes(name, weights)
-        linears = {self._module(name, module): pair for module, pair in weights.pairs.items()}
+        self.check_shapes(name, weights.pairs)
         adapter = LoadedAdapter(
             name,
             lora_int_id if lora_int_id is not None else self._next_id(name),
             path,
-            weights.max_rank,
             weights.config,
             {
-                module: self._linear(a, b, weights.config.scaling(module_name, a.shape[0]))
-                for (module, (a, b)), module_name in zip(linears.items(), weights.pairs)
+                self._module(name, module): self._linear(a, b, weights.config.scaling(module, a.shape[0]))
+                for module, (a, b) in weights.pairs.items()
             },
         )
         adapter.salt = self._new_salt(name)
@@ -137,7 +128,7 @@ class LoRAAdapters:
         adapter = self.adapters.get(name)
         if adapter is None:
             raise AdapterError(f"no LoRA adapter named {name!r} is loaded")
-        self.check_shapes(name, AdapterWeights(_NO_CONFIG, pairs))
+        self.check_shapes(name, pairs)
         updates: dict[torch.nn.Module, AdapterLinear] = {}
         for module_name, (a, b) in pairs.items():
             module = self._module(name, module_name)
@@ -146,7 +137,6 @@ class LoRAAdapters:
                 raise AdapterError(f"LoRA adapter {name!r} does not adapt {module_name} (it cannot gain a linear)")
             updates[module] = self._linear(a, b, adapter.config.scaling(module_name, a.shape[0]))
         adapter.linears.update(updates)
-        adapter.rank = max(lin.a.shape[0] for lin in adapter.linears.values())
         adapter.salt = self._new_salt(name)
 
     def salt(self, name: str | None) -> bytes | None:
@@ -190,11 +180,11 @@ class LoRAAdapters:
     def _linear(self, a: torch.Tensor, b: torch.Tensor, scaling: float) -> AdapterLinear:
         a32 = a.detach().to(a.device, torch.float32).contiguous()
         scaled = (b.detach().to(a32.device, torch.float32) * scaling).contiguous()  # one rounding, at load
-        return AdapterLinear(a32, scaled, float(scaling), self.linear_for(a32), self.linear_for(scaled))
+        return AdapterLinear(a32, scaled, self.linear_for(a32), self.linear_for(scaled))
 
-    def check_shapes(self, name: str, weights: AdapterWeights) -> None:
+    def check_shapes(self, name: str, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Raise AdapterError unless every pair fits its module (A [r, in], B [out, r]) and r <= max_rank."""
-        for module_name, (a, b) in weights.pairs.items():
+        for module_name, (a, b) in pairs.items():
             module = self._module(name, module_name)
             rank = a.shape[0]
             if rank > self.max_rank:

@@ -83,10 +83,6 @@ class AdapterWeights:
     config: AdapterConfig
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def max_rank(self) -> int:
-        return max((a.shape[0] for a, _ in self.pairs.values()), default=0)
-
 
 def read_adapter(path: str | os.PathLike[str]) -> AdapterWeights:
     """The PEFT adapter saved in directory `path` (save_pretrained's layout)."""

@@ -61,15 +61,9 @@ class StepLoRA:
             linear = adapter.linears.get(module)
             if linear is None:
                 continue
-            if len(rows) == self.num_tokens:  # the whole step runs this adapter: no gathering
-                delta = linear.delta(x)  # [T, N] fp32
-                if y.dtype == torch.float32:
-                    y.add_(delta)
-                else:
-                    y.copy_(y.float() + delta)
-                continue
             rows = rows.to(x.device)
-            delta = linear.delta(x.index_select(0, rows))  # [n, N] fp32
+            picked = x if len(rows) == self.num_tokens else x.index_select(0, rows)  # the whole step: no gathering
+            delta = linear.delta(picked)  # [n, N] fp32
             if y.dtype == torch.float32:
                 y.index_add_(0, rows, delta)
             else:
@@ -102,8 +96,7 @@ class StepLoRA:
         position = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
         position[union] = torch.arange(len(union), device=x.device)
         picked = x.index_select(0, union)  # [n, K]
-        g, u = sums(picked)  # [n, I] fp32 each
-        g, u = g.clone(), u.clone()  # (views of one [n, 2I] result)
+        g, u = sums(picked)  # [n, I] fp32 each (may be column views of one [n, 2I] result: added to in place)
         for rows, on_gate, on_up in groups:
             local = position[rows]
             mine = picked.index_select(0, local)
