@@ -57,3 +57,22 @@ def run_engine(model, tokenizer, prompts, max_tokens, config: EngineConfig, **sa
         ]
         results = {r.request_id: r for r in (engine.get_result(timeout=600) for _ in ids)}
     return [results[i] for i in ids]
+
+
+def run_requests(model, tokenizer, requests, config: EngineConfig, preempts: str | None = None) -> dict:
+    """requests: (id, prompt ids, SamplingParams); returns {id: [(tokens, logprobs) per sample]}.
+
+    `preempts` names a stats counter ("soft_resets", "offloads") that must have counted.
+    """
+    with Engine(model, tokenizer, config) as engine:
+        for request_id, prompt, sampling in requests:
+            engine.add_request(prompt, sampling, request_id=request_id)
+        outputs = [engine.get_result(timeout=600) for _ in range(sum(r[2].n for r in requests))]
+        stats = engine.stats()
+    if preempts:
+        assert getattr(stats, preempts) > 0, preempts
+    results: dict = {}
+    for out in outputs:
+        assert out.finish_reason in ("length", "stop"), out.error
+        results.setdefault(out.request_id, {})[out.sample_index] = (list(out.token_ids), list(out.logprobs))
+    return {key: [value[i] for i in sorted(value)] for key, value in results.items()}

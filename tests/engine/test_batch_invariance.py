@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import random_prompts
+from engine_helpers import random_prompts, run_requests
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
@@ -212,25 +212,6 @@ def test_attend_refuses_inconsistent_tasks():
 # -- engine -------------------------------------------------------------------------------------------
 
 
-def _run(model, tokenizer, requests, config: EngineConfig, preempts: str | None = None):
-    """requests: (id, prompt ids, SamplingParams); returns {id: [(tokens, logprobs) per sample]}.
-
-    `preempts` names a stats counter ("soft_resets", "offloads") that must have counted.
-    """
-    with Engine(model, tokenizer, config) as engine:
-        for request_id, prompt, sampling in requests:
-            engine.add_request(prompt, sampling, request_id=request_id)
-        outputs = [engine.get_result(timeout=600) for _ in range(sum(r[2].n for r in requests))]
-        stats = engine.stats()
-    if preempts:
-        assert getattr(stats, preempts) > 0, preempts
-    results: dict = {}
-    for out in outputs:
-        assert out.finish_reason in ("length", "stop"), out.error
-        results.setdefault(out.request_id, {})[out.sample_index] = (list(out.token_ids), list(out.logprobs))
-    return {key: [value[i] for i in sorted(value)] for key, value in results.items()}
-
-
 def _target_and_crowd(vocab):
     target = random_prompts(vocab, [90], seed=11)[0]
     crowd_prompts = random_prompts(vocab, [5 + 13 * i % 120 for i in range(25)], seed=12)
@@ -252,7 +233,7 @@ def test_seeded_request_alone_and_in_a_crowd_is_bitwise_identical(request, fixtu
     model, tokenizer = load_model(str(request.getfixturevalue(fixture)), dtype=dtype)
     target, crowd_prompts = _target_and_crowd(model.config.vocab_size)
     sampling = SamplingParams(max_tokens=24, temperature=1.0, seed=7, n=3)
-    alone = _run(model, tokenizer, [("t", target, sampling)], EngineConfig(max_batch_tokens=512, num_blocks=64))
+    alone = run_requests(model, tokenizer, [("t", target, sampling)], EngineConfig(max_batch_tokens=512, num_blocks=64))
     configs = [
         (EngineConfig(max_batch_tokens=64, num_blocks=256), None),  # chunked prefill, crowded steps
         (EngineConfig(max_batch_tokens=37, max_requests_per_batch=5, num_blocks=256, scheduler="prefill-first"), None),
@@ -260,10 +241,10 @@ def test_seeded_request_alone_and_in_a_crowd_is_bitwise_identical(request, fixtu
         (EngineConfig(max_batch_tokens=96, num_blocks=12, cpu_offload_space=0.0001), "offloads"),
     ]
     for config, preempts in configs:
-        crowded = _run(model, tokenizer, _crowd_requests(target, crowd_prompts, sampling), config, preempts)
+        crowded = run_requests(model, tokenizer, _crowd_requests(target, crowd_prompts, sampling), config, preempts)
         assert crowded["t"] == alone["t"], config
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
-    first = _run(model, tokenizer, [("a", target, greedy)], EngineConfig(max_batch_tokens=512, num_blocks=64))
+    first = run_requests(model, tokenizer, [("a", target, greedy)], EngineConfig(max_batch_tokens=512, num_blocks=64))
     with Engine(model, tokenizer, EngineConfig(max_batch_tokens=48, num_blocks=64)) as engine:  # prefix hit
         engine.add_request(target[:80], SamplingParams(max_tokens=1), request_id="warm")
         engine.get_result(timeout=600)
@@ -278,8 +259,8 @@ def test_real_model_request_is_bitwise_identical_alone_and_in_a_crowd(smollm2_lo
     model, tokenizer = smollm2_loader(dtype)
     target, crowd_prompts = _target_and_crowd(model.config.vocab_size)
     sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=2)
-    alone = _run(model, tokenizer, [("t", target, sampling)], EngineConfig(max_batch_tokens=512, num_blocks=64))
-    crowded = _run(
+    alone = run_requests(model, tokenizer, [("t", target, sampling)], EngineConfig(max_batch_tokens=512, num_blocks=64))
+    crowded = run_requests(
         model,
         tokenizer,
         _crowd_requests(target, crowd_prompts[:12], sampling),

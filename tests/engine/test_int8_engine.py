@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from engine_helpers import random_prompts
+from engine_helpers import random_prompts, run_requests
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.base import BackendUnavailable
@@ -26,22 +26,6 @@ pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="compiled CPU
 INT8 = {"quantization": "int8"}
 
 
-def _run(model, tokenizer, requests, config: EngineConfig, preempts: str | None = None) -> dict:
-    """requests: (id, prompt ids, SamplingParams) -> {id: [(tokens, logprobs) per sample]}."""
-    with Engine(model, tokenizer, config) as engine:
-        for request_id, prompt, sampling in requests:
-            engine.add_request(prompt, sampling, request_id=request_id)
-        outputs = [engine.get_result(timeout=600) for _ in range(sum(r[2].n for r in requests))]
-        stats = engine.stats()
-    if preempts:
-        assert getattr(stats, preempts) > 0, preempts
-    results: dict = {}
-    for out in outputs:
-        assert out.finish_reason in ("length", "stop"), out.error
-        results.setdefault(out.request_id, {})[out.sample_index] = (list(out.token_ids), list(out.logprobs))
-    return {key: [value[i] for i in sorted(value)] for key, value in results.items()}
-
-
 @pytest.mark.parametrize("fixture,dtype", [("tiny_llama_dir", "float32"), ("tiny_qwen3_dir", "bfloat16")])
 def test_an_int8_request_is_bitwise_identical_alone_and_in_a_crowd(request, fixture, dtype):
     model, tokenizer = load_model(str(request.getfixturevalue(fixture)), dtype=dtype)
@@ -52,13 +36,15 @@ def test_an_int8_request_is_bitwise_identical_alone_and_in_a_crowd(request, fixt
     sampling = SamplingParams(max_tokens=20, temperature=1.0, seed=7, n=2)
     crowd = [(f"c{i}", p, SamplingParams(max_tokens=10 + i % 7, temperature=0.8, seed=i)) for i, p in enumerate(others)]
     requests = crowd[:8] + [("t", target, sampling)] + crowd[8:]
-    alone = _run(model, tokenizer, [("t", target, sampling)], EngineConfig(max_batch_tokens=512, num_blocks=64, **INT8))
+    alone = run_requests(
+        model, tokenizer, [("t", target, sampling)], EngineConfig(max_batch_tokens=512, num_blocks=64, **INT8)
+    )
     for config, preempts in [
         (EngineConfig(max_batch_tokens=64, num_blocks=256, **INT8), None),  # chunked prefill, crowded steps
         (EngineConfig(max_batch_tokens=37, max_requests_per_batch=5, num_blocks=256, **INT8), None),
         (EngineConfig(max_batch_tokens=96, num_blocks=12, cpu_offload_space=0, **INT8), "soft_resets"),
     ]:
-        assert _run(model, tokenizer, requests, config, preempts)["t"] == alone["t"], config
+        assert run_requests(model, tokenizer, requests, config, preempts)["t"] == alone["t"], config
 
 
 def test_int8_runs_every_linear_but_the_head_and_generates_near_the_model_dtype(tiny_llama_dir):
@@ -66,7 +52,7 @@ def test_int8_runs_every_linear_but_the_head_and_generates_near_the_model_dtype(
     prompts = random_prompts(model.config.vocab_size, [12, 30, 7], seed=3)
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     requests = [(f"p{i}", p, greedy) for i, p in enumerate(prompts)]
-    dense = _run(model, tokenizer, requests, EngineConfig(num_blocks=64))
+    dense = run_requests(model, tokenizer, requests, EngineConfig(num_blocks=64))
     with Engine(model, tokenizer, EngineConfig(num_blocks=64, **INT8)) as engine:
         backend = engine.core.backend
         int8 = {m for m, layer in backend.linears.items() if isinstance(getattr(layer, "method", layer), Int8Linear)}
@@ -91,8 +77,8 @@ def test_int8_weights_survive_sleep_a_second_engine_and_new_weights(tiny_qwen3_d
     original = copy.deepcopy(model.state_dict())
     prompt = random_prompts(model.config.vocab_size, [20], seed=5)[0]
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
-    first = _run(model, tokenizer, [("a", prompt, greedy)], EngineConfig(num_blocks=32, **INT8))
-    again = _run(model, tokenizer, [("a", prompt, greedy)], EngineConfig(num_blocks=32, **INT8))
+    first = run_requests(model, tokenizer, [("a", prompt, greedy)], EngineConfig(num_blocks=32, **INT8))
+    again = run_requests(model, tokenizer, [("a", prompt, greedy)], EngineConfig(num_blocks=32, **INT8))
     assert again == first  # the model came back carrying its int8 form
     with Engine(model, tokenizer, EngineConfig(num_blocks=32, **INT8)) as engine:
         engine.sleep(level=2)
