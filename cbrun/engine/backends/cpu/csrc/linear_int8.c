@@ -17,7 +17,8 @@
  * variant that sums them:
  *   CB_I8_SCALAR  plain C int32 loops: the reference the others must equal.
  *   CB_I8_AVX2    vpmaddwd on int16-widened operands (exact: pair sums <= 2 * 127 * 128).
- *   CB_I8_VNNI    AVX512-VNNI vpdpbusd: u8 x s8 with x offset by +128 (qx ^ 0x80), the offset's products
+ *   CB_I8_VNNI    AVX512-VNNI vpdpbusd: u8 x s8 with x offset by +128 (qx ^ 0x80, written into the row once
+ *              after its quantization, where VNNI sums it), the offset's products
  *              taken back exactly with each output's weight sum (colsum * 128, modulo 2^32: the wrapped
  *              intermediate is exact once the true sum fits in int32).
  *   CB_I8_AMX     AMX-INT8 tdpbssd (s8 x s8 in 16 x 16 int32 tiles), after asking Linux for the tile state;
@@ -136,7 +137,9 @@ __attribute__((target("avx2"))) static void i8_rows_avx2(const int8_t* xq, int64
 }
 
 /* CB_I8_VNNI: 8 rows x 32 outputs a step in 16 zmm accumulators; per quad two 64-byte weight loads and one
- * broadcast per row, 16 vpdpbusd. */
+ * broadcast load per row, 16 vpdpbusd. The rows come offset (qx ^ 0x80: qx + 128 as u8, i8_offset_row), so a
+ * quad's broadcast is a load alone; an xor and a broadcast from a general register per row would take the
+ * vector ports vpdpbusd runs on (one in three of their slots). */
 #define I8_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define DEFINE_VNNI_ROWS(R)                                                                                  \
   I8_VNNI_TARGET static inline __attribute__((always_inline)) void vnni_rows_##R(                            \
@@ -150,9 +153,9 @@ __attribute__((target("avx2"))) static void i8_rows_avx2(const int8_t* xq, int64
       const __m512i w0 = _mm512_loadu_si512(w + q * I8_BLOCK * 4);                                           \
       const __m512i w1 = _mm512_loadu_si512(w + q * I8_BLOCK * 4 + 64);                                      \
       for (int r = 0; r < R; ++r) {                                                                          \
-        uint32_t quad;                                                                                       \
+        int32_t quad; /* 4 of the row's k, stored offset (qx + 128 as u8) by the quantization */             \
         memcpy(&quad, xq + r * Kp + 4 * q, 4);                                                               \
-        const __m512i xb = _mm512_set1_epi32((int32_t)(quad ^ 0x80808080u)); /* qx + 128 as u8 */            \
+        const __m512i xb = _mm512_set1_epi32(quad); /* a load-port broadcast: no shuffle-port uop */         \
         acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);                                                  \
         acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);                                                  \
       }                                                                                                      \
@@ -281,6 +284,24 @@ static i8_rows_fn i8_rows_for(int variant) {
   if (variant == CB_I8_AMX) return i8_rows_amx;
 #endif
   return i8_rows_scalar;
+}
+
+#if I8_HAS_X86
+#define I8_ROWS_VNNI i8_rows_vnni
+#else
+#define I8_ROWS_VNNI ((i8_rows_fn)0)
+#endif
+
+/* The variant that sums row m's group of rows (groups start at multiples of I8_ROWS: the row chunks are
+ * multiples of it): a group of fewer than I8_AMX_MIN_ROWS rows goes to small_fn. */
+static inline i8_rows_fn i8_group_fn(i8_rows_fn rows_fn, i8_rows_fn small_fn, int64_t M, int64_t m) {
+  const int64_t first = m - m % I8_ROWS, rows = M - first < I8_ROWS ? M - first : I8_ROWS;
+  return rows < I8_AMX_MIN_ROWS ? small_fn : rows_fn;
+}
+
+/* A quantized row as CB_I8_VNNI reads it: qx + 128 as u8 (qx ^ 0x80), the pad included (its weights are 0). */
+static void i8_offset_row(int8_t* row, int64_t Kp) {
+  for (int64_t k = 0; k < Kp; ++k) row[k] = (int8_t)((uint8_t)row[k] ^ 0x80u);
 }
 
 /* The raw sums of `rows` rows made true: CB_I8_VNNI's take back 128 * colsum (in uint32: modulo 2^32). */
@@ -488,8 +509,11 @@ static int i8_linear_run(const void* x, int64_t ldx, int x_bf16, const int8_t* p
   _Pragma("omp parallel num_threads(threads)") {
     const int thread = omp_get_thread_num(), count = omp_get_num_threads();
     for (int64_t m = thread; m < padded_rows; m += count) {
-      if (m < M) i8_quantize_row(x, ldx, x_bf16, m, K, Kp, xq, sx);
-      else if (tiles_used) memset(xq + m * Kp, 0, Kp); /* pad rows: read by the AMX tiles, never stored */
+      if (m < M) {
+        i8_quantize_row(x, ldx, x_bf16, m, K, Kp, xq, sx);
+        if (i8_group_fn(rows_fn, small_fn, M, m) == I8_ROWS_VNNI) i8_offset_row(xq + m * Kp, Kp);
+      } else if (tiles_used)
+        memset(xq + m * Kp, 0, Kp); /* pad rows: read by the AMX tiles, never stored */
     }
 #if I8_HAS_AMX
     if (tiles_used) i8_amx_configure();
@@ -511,7 +535,7 @@ static int i8_linear_run(const void* x, int64_t ldx, int x_bf16, const int8_t* p
           for (int64_t m = m0; m < m1; m += I8_ROWS) {
             const int rows = m1 - m < I8_ROWS ? (int)(m1 - m) : I8_ROWS;
             i8_tile* tile = step < quads ? &tiles[(m - m0) / I8_ROWS] : &one;
-            const i8_rows_fn fn = rows < I8_AMX_MIN_ROWS ? small_fn : rows_fn; /* the same for every step */
+            const i8_rows_fn fn = i8_group_fn(rows_fn, small_fn, M, m); /* the same for every step */
             fn(xq + m * Kp, Kp, w, rows, q0, q1, *tile);
             if (q1 == quads) {
               i8_fixup(fn, colsum, rows, *tile);
