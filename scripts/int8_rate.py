@@ -4,7 +4,8 @@
     python scripts/int8_rate.py --threads 2 --rows 1 16 256 --shapes 1536x1536 8960x1536 1536x8960
 
 GFLOP/s (GOP/s for int8) of each method over the shapes (N x K), best of 5 calls per shape; int8 includes
-the per-row activation quantization. Seconds, not minutes: a probe of the kernels, not of the engine.
+the per-row activation quantization. Beside them (over 16 rows) torch._int_mm on the same shapes: the bench's int8
+GEMM probe, int32 out, no quantization. Seconds, not minutes: a probe of the kernels, not of the engine.
 """
 
 from __future__ import annotations
@@ -54,6 +55,16 @@ def main() -> None:
             layers = [method.make(kernels, [w], [None]) for w in weights]
             seconds = sum(_best(layer, x) for layer, x in zip(layers, inputs))
             rates.append(f"{method.name} {flops / seconds / 1e9:7.1f}")
+        if rows >= 17:  # torch._int_mm takes more than 16 rows: the bench's int8 probe, without quantization
+            pairs = [
+                (
+                    torch.randint(-127, 128, (rows, k), dtype=torch.int8),
+                    torch.randint(-127, 128, (k, n), dtype=torch.int8),
+                )
+                for n, k in shapes
+            ]
+            seconds = sum(_best(lambda a, b=b: torch._int_mm(a, b), a) for a, b in pairs)
+            rates.append(f"torch._int_mm {flops / seconds / 1e9:7.1f}")
         print(f"M={rows:<5d}" + " | ".join(rates))
     print(f"load average {os.getloadavg()[0]:.1f}")
 

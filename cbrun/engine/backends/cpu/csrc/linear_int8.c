@@ -386,12 +386,37 @@ static inline float i8_read(const void* x, int x_bf16, int64_t at) {
   return c.f;
 }
 
-/* Row m of x (bf16 or fp32) into xq[m] (Kp int8, the pad zero) and sx[m], by the header's arithmetic. */
+/* 16 of a row's values as fp32 (bf16 widened exactly). */
+static inline v16f i8_read16(const void* x, int x_bf16, int64_t at) {
+  return x_bf16 ? load16_bf16((const uint16_t*)x + at) : load16_f32((const float*)x + at);
+}
+
+/* One value's quantization, clamped as the header says; NaN passes the clamp, as in the vector form. */
+static inline int8_t i8_quantize_one(float value, float inv) {
+  float v = value * inv;
+  v = v > 127.f ? 127.f : v;
+  v = v < -127.f ? -127.f : v;
+  return (int8_t)(int32_t)rintf(v);
+}
+
+/* Row m of x (bf16 or fp32) into xq[m] (Kp int8, the pad zero) and sx[m], by the header's arithmetic, 16 lanes
+ * at a time with a scalar tail. Each value goes through the same operations in both: the max of |x| (exact in
+ * any order; a NaN is never taken, as `a > amax` is false for it), one product by 127 / amax, the clamp, and
+ * round-half-to-even, which for |v| <= 127 is (v + 1.5 * 2^23) - 1.5 * 2^23 (exact while |v| < 2^22); the
+ * clamp (a blend of bits) stands between the product and the add, so no FMA can fuse them. */
 static void i8_quantize_row(const void* x, int64_t ldx, int x_bf16, int64_t m, int64_t K, int64_t Kp, int8_t* xq,
                             float* sx) {
+  const int64_t row = m * ldx, body = K / 16 * 16;
+  v16f wide = splat16(0.f);
+  for (int64_t k = 0; k < body; k += 16) {
+    const v16f a = (v16f)((v16i)i8_read16(x, x_bf16, row + k) & 0x7fffffff);
+    const v16i take = a > wide;
+    wide = (v16f)(((v16i)a & take) | ((v16i)wide & ~take));
+  }
   float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) {
-    const float a = fabsf(i8_read(x, x_bf16, m * ldx + k));
+  for (int j = 0; j < 16; ++j) amax = wide[j] > amax ? wide[j] : amax;
+  for (int64_t k = body; k < K; ++k) {
+    const float a = fabsf(i8_read(x, x_bf16, row + k));
     amax = a > amax ? a : amax;
   }
   int8_t* dst = xq + m * Kp;
@@ -402,12 +427,16 @@ static void i8_quantize_row(const void* x, int64_t ldx, int x_bf16, int64_t m, i
   }
   sx[m] = amax / 127.f;
   const float inv = 127.f / amax;
-  for (int64_t k = 0; k < K; ++k) {
-    float v = i8_read(x, x_bf16, m * ldx + k) * inv;
-    v = v > 127.f ? 127.f : v;
-    v = v < -127.f ? -127.f : v;
-    dst[k] = (int8_t)(int32_t)rintf(v);
+  const v16f magic = splat16(12582912.f), top = splat16(127.f), bottom = splat16(-127.f);
+  for (int64_t k = 0; k < body; k += 16) {
+    v16f v = i8_read16(x, x_bf16, row + k) * splat16(inv);
+    const v16i over = v > top, under = v < bottom;
+    v = (v16f)(((v16i)top & over) | ((v16i)v & ~over));
+    v = (v16f)(((v16i)bottom & under) | ((v16i)v & ~under));
+    const v16i q = __builtin_convertvector((v + magic) - magic, v16i);
+    for (int j = 0; j < 16; ++j) dst[k + j] = (int8_t)q[j];
   }
+  for (int64_t k = body; k < K; ++k) dst[k] = i8_quantize_one(i8_read(x, x_bf16, row + k), inv);
 }
 
 /* x [M, K] (rows ldx apart, bf16 or fp32) -> xq [M, Kp] int8 and sx [M]: what i8_linear does first. */
