@@ -458,9 +458,12 @@ typedef struct {
   int64_t ldy, N, Kp;
 } i8_target;
 
-static inline void i8_store(void* y, int64_t at, int y_bf16, float value) {
-  if (y_bf16) ((uint16_t*)y)[at] = f32_to_bf16(value);
-  else ((float*)y)[at] = value;
+/* `cols` values into y at `at`: fp32, or bf16 rounded once. */
+static inline void i8_store_row(void* y, int64_t at, int y_bf16, const float* values, int cols) {
+  if (y_bf16)
+    for (int j = 0; j < cols; ++j) ((uint16_t*)y)[at + j] = f32_to_bf16(values[j]);
+  else
+    memcpy((float*)y + at, values, sizeof(float) * cols);
 }
 
 /* Rows m.. of block b's true sums, scaled (+ bias), gated or not, stored. */
@@ -470,38 +473,41 @@ static void i8_emit(const i8_target* t, const int8_t* block, const float* sx, in
   if (t->mode == CB_MODE_PLAIN || t->mode == CB_MODE_INT) {
     const int64_t n0 = b * I8_BLOCK;
     const int cols = t->N - n0 < I8_BLOCK ? (int)(t->N - n0) : I8_BLOCK;
-    for (int r = 0; r < rows; ++r)
-      for (int j = 0; j < cols; ++j) {
-        if (t->mode == CB_MODE_INT) {
-          ((int32_t*)t->y)[(m + r) * t->ldy + n0 + j] = acc[r][j];
-          continue;
-        }
-        const float scale = sx[m + r] * sw[j];
-        const float value = fmaf((float)acc[r][j], scale, t->bias ? t->bias[n0 + j] : 0.f);
-        i8_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, value);
+    float bias[I8_BLOCK] = {0}; /* the block's biases, 0 past N or without a bias: fmaf(acc, s, 0) as the header */
+    if (t->bias) memcpy(bias, t->bias + n0, sizeof(float) * cols);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t at = (m + r) * t->ldy + n0;
+      if (t->mode == CB_MODE_INT) {
+        memcpy((int32_t*)t->y + at, acc[r], sizeof(int32_t) * cols);
+        continue;
       }
+      float value[I8_BLOCK]; /* whole blocks, so that the loops run as vectors; only `cols` are stored */
+      for (int j = 0; j < I8_BLOCK; ++j) value[j] = fmaf((float)acc[r][j], sx[m + r] * sw[j], bias[j]);
+      i8_store_row(t->y, at, t->y_bf16, value, cols);
+    }
     return;
   }
   const int half = I8_BLOCK / 2;
   const int64_t n0 = b * half;
   const int cols = t->N - n0 < half ? (int)(t->N - n0) : half;
+  float gate_bias[16] = {0}, up_bias[16] = {0};
+  if (t->bias) memcpy(gate_bias, t->bias + n0, sizeof(float) * cols);
+  if (t->up_bias) memcpy(up_bias, t->up_bias + n0, sizeof(float) * cols);
   for (int r = 0; r < rows; ++r) {
-    float g[16] = {0}, u[16] = {0};
-    for (int j = 0; j < cols; ++j) {
-      const float sg = sx[m + r] * sw[j], su = sx[m + r] * sw[half + j];
-      g[j] = fmaf((float)acc[r][j], sg, t->bias ? t->bias[n0 + j] : 0.f);
-      u[j] = fmaf((float)acc[r][half + j], su, t->up_bias ? t->up_bias[n0 + j] : 0.f);
+    float g[16], u[16]; /* lanes past cols: zero weights and scales, so 0; never stored */
+    for (int j = 0; j < half; ++j) {
+      g[j] = fmaf((float)acc[r][j], sx[m + r] * sw[j], gate_bias[j]);
+      u[j] = fmaf((float)acc[r][half + j], sx[m + r] * sw[half + j], up_bias[j]);
     }
+    const int64_t at = (m + r) * t->ldy + n0;
     if (t->mode == CB_MODE_RAW) {
-      for (int j = 0; j < cols; ++j) {
-        i8_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, g[j]);
-        i8_store(t->y, (m + r) * t->ldy + t->N + n0 + j, t->y_bf16, u[j]);
-      }
+      i8_store_row(t->y, at, t->y_bf16, g, cols);
+      i8_store_row(t->y, at + t->N, t->y_bf16, u, cols);
       continue;
     }
-    const v16f gv = load16_f32(g), uv = load16_f32(u);
-    const v16f out = gv / (splat16(1.f) + exp16(-gv)) * uv;
-    for (int j = 0; j < cols; ++j) i8_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, out[j]);
+    float out[16];
+    store16_f32(out, load16_f32(g) / (splat16(1.f) + exp16(-load16_f32(g))) * load16_f32(u));
+    i8_store_row(t->y, at, t->y_bf16, out, cols);
   }
 }
 
