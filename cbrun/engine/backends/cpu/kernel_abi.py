@@ -67,6 +67,7 @@ class AbiStruct(IntEnum):
 
     ATTEND = 0
     LINEAR = 1
+    DENSE = 2
 
 
 # The one variant table: each family of ISA variants by name, fastest last (kernel_loader.py scores them at load).
@@ -135,9 +136,37 @@ class LinearParams(ctypes.Structure):
     ]
 
 
-_STRUCTS: dict[AbiStruct, type[ctypes.Structure]] = {AbiStruct.ATTEND: AttendParams, AbiStruct.LINEAR: LinearParams}
+class DenseParams(ctypes.Structure):
+    """cb_dense_params: a linear reading fp32/bf16 weights in place (linear_rows; gated_silu, gate and up)."""
+
+    _fields_ = [
+        ("x", _P),
+        ("w", _P),
+        ("bias", _P),
+        ("n", _P),
+        ("y", _P),
+        ("xp", _P),
+        ("ldx", _I64),
+        ("ldy", _I64),
+        ("M", _I64),
+        ("K", _I64),
+        ("count", _I32),
+        ("x_bf16", _I32),
+        ("w_bf16", _I32),
+        ("y_bf16", _I32),
+        ("threads", _I32),
+    ]
+
+
+# Each parameter struct by its CB_ABI_* number: what `bind` compares with the library's cb_abi_size.
+STRUCTS: dict[AbiStruct, type[ctypes.Structure]] = {
+    AbiStruct.ATTEND: AttendParams,
+    AbiStruct.LINEAR: LinearParams,
+    AbiStruct.DENSE: DenseParams,
+}
 _ATTEND = (_INT, [ctypes.POINTER(AttendParams)])
 _LINEAR = (_INT, [ctypes.POINTER(LinearParams)])
+_DENSE = (_INT, [ctypes.POINTER(DenseParams)])
 
 # Every exported function: (restype, argtypes), declared once when the library is bound.
 SIGNATURES = {
@@ -154,9 +183,9 @@ SIGNATURES = {
     "sample_rows_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT]),
     "apply_token_masks": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _INT]),
     # linear.c
-    "linear_rows": (_INT, [_P, _I64, _INT, _INT, _P, _P, _INT, _P, _P, _I64, _INT, _I64, _I64, _P, _INT]),
+    "linear_rows": _DENSE,
     "linear_max_segments": (_INT, []),
-    "gated_silu": (_INT, [_P, _I64, _INT, _P, _P, _P, _P, _INT, _P, _I64, _INT, _I64, _I64, _I64, _P, _INT]),
+    "gated_silu": _DENSE,
     "linear_vec_width": (_INT, []),
     "linear_panel_rows": (_INT, []),
     # layer_ops.c
@@ -207,7 +236,7 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     for name, (restype, argtypes) in SIGNATURES.items():
         function = getattr(library, name)
         function.restype, function.argtypes = restype, argtypes
-    for which, struct in _STRUCTS.items():
+    for which, struct in STRUCTS.items():
         size = library.cb_abi_size(which)
         if size != ctypes.sizeof(struct):
             raise KernelError(f"{struct.__name__}: {ctypes.sizeof(struct)} bytes here, {size} in the library")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -38,6 +39,7 @@ from cbrun.engine.backends.cpu.isa_variants import IsaVariants, dp_scores
 from cbrun.engine.backends.cpu.kernel_abi import (
     VARIANTS,
     AttendParams,
+    DenseParams,
     KernelError,
     check,
     is_bf16,
@@ -227,25 +229,7 @@ class CpuKernels(PairDotKernels):
         _check_linear_operands(x, weights, biases, inner)
         widths = [w.shape[0] for w in weights]
         out = torch.empty(rows, sum(widths), dtype=out_dtype or x.dtype)
-        count = len(weights)
-        status = self._lib.linear_rows(
-            ptr(x),
-            x.stride(0),
-            is_bf16(x),
-            count,
-            pointers(weights),
-            pointers(biases),
-            is_bf16(weights[0]),
-            (ctypes.c_int64 * count)(*widths),
-            ptr(out),
-            out.stride(0),
-            is_bf16(out),
-            rows,
-            inner,
-            ptr(self._panel_scratch(rows, inner)),
-            threads(),
-        )
-        check(status, "linear")
+        check(self._dense(self._lib.linear_rows, x, weights, biases, out), "linear")
         return out
 
     def gated_silu(
@@ -263,26 +247,41 @@ class CpuKernels(PairDotKernels):
         if gate.shape != up.shape:
             raise KernelError("gated_silu: gate and up weights differ in shape")
         out = torch.empty(rows, gate.shape[0], dtype=x.dtype)
-        status = self._lib.gated_silu(
-            ptr(x),
-            x.stride(0),
-            is_bf16(x),
-            ptr(gate),
-            ptr(up),
-            optional_ptr(gate_bias),
-            optional_ptr(up_bias),
-            is_bf16(gate),
-            ptr(out),
-            out.stride(0),
-            is_bf16(out),
-            rows,
-            gate.shape[0],
-            inner,
-            ptr(self._panel_scratch(rows, inner)),
-            threads(),
-        )
-        check(status, "gated_silu")
+        check(self._dense(self._lib.gated_silu, x, [gate, up], [gate_bias, up_bias], out), "gated_silu")
         return out
+
+    def _dense(
+        self,
+        function: Callable[..., int],
+        x: torch.Tensor,
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor | None],
+        out: torch.Tensor,
+    ) -> int:
+        """linear_rows or gated_silu (`function`) on x [M, K], weights [N_s, K] and biases [N_s] (or None) into
+        out (rows unit-stride) through one cb_dense_params; returns the kernel's status."""
+        rows, inner = x.shape
+        count = len(weights)
+        w, b = pointers(weights), pointers(biases)  # [count] each: held here until the call returns
+        n = (ctypes.c_int64 * count)(*(weight.shape[0] for weight in weights))  # [count]
+        params = DenseParams(
+            x=ptr(x),
+            w=ctypes.addressof(w),
+            bias=ctypes.addressof(b),
+            n=ctypes.addressof(n),
+            y=ptr(out),
+            xp=ptr(self._panel_scratch(rows, inner)),
+            ldx=x.stride(0),
+            ldy=out.stride(0),
+            M=rows,
+            K=inner,
+            count=count,
+            x_bf16=is_bf16(x),
+            w_bf16=is_bf16(weights[0]),
+            y_bf16=is_bf16(out),
+            threads=threads(),
+        )
+        return int(function(ctypes.byref(params)))
 
     def _panel_scratch(self, rows: int, inner: int) -> torch.Tensor:
         """Room for the linear kernels' packed copy of x (16-row panels), kept per thread and grown on demand."""

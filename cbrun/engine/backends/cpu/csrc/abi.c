@@ -8,6 +8,7 @@ int64_t cb_abi_size(int which) {
   switch (which) {
     case CB_ABI_ATTEND: return (int64_t)sizeof(cb_attend_params);
     case CB_ABI_LINEAR: return (int64_t)sizeof(cb_linear_params);
+    case CB_ABI_DENSE: return (int64_t)sizeof(cb_dense_params);
     default: return -1;
   }
 }

@@ -68,8 +68,23 @@ typedef struct {
   int32_t x_bf16, y_bf16, mode, variant, threads;
 } cb_linear_params;
 
+/* ---- a linear reading fp32 or bf16 weights in place (linear.c: linear_rows, gated_silu) ------------------- */
+typedef struct {
+  const void* x;           /* [M, K] rows ldx apart, bf16 (x_bf16) or fp32 */
+  const void* const* w;    /* [count] weights, w[s] [n[s], K] contiguous, bf16 (w_bf16) or fp32 */
+  const void* const* bias; /* [count] biases, bias[s] [n[s]] in the weights' type, or NULL */
+  const int64_t* n;        /* [count] outputs of each weight */
+  void* y;      /* linear_rows: [M, sum n] (the weights' outputs side by side); gated_silu: [M, n[0]]; rows ldy
+                 * apart, bf16 (y_bf16) or fp32 */
+  float* xp;    /* scratch for x's panels: ceil(M / linear_panel_rows()) * linear_panel_rows() * K floats */
+  int64_t ldx, ldy, M, K;
+  int32_t count; /* linear_rows: 1 .. linear_max_segments(); gated_silu: 2, the gate then the up weight */
+  int32_t x_bf16, w_bf16, y_bf16, threads;
+} cb_dense_params;
+
 /* Which struct cb_abi_size measures. */
 #define CB_ABI_ATTEND 0
 #define CB_ABI_LINEAR 1
+#define CB_ABI_DENSE 2
 
 #endif
