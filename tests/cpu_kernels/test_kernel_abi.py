@@ -16,9 +16,12 @@ from cbrun.engine.backends.cpu.kernel_abi import (
     DpVariant,
     I8Variant,
     KernelError,
+    KvWriteParams,
     LinearParams,
     Mode,
+    RmsnormParams,
     Role,
+    SampleParams,
     Status,
     check,
 )
@@ -72,7 +75,10 @@ def test_the_variant_table_names_every_variant_of_the_header():
 STRUCTS = [
     (AttendParams, "cb_attend_params"),
     (LinearParams, "cb_linear_params"),
+    (KvWriteParams, "cb_kv_write_params"),
     (DenseParams, "cb_dense_params"),
+    (RmsnormParams, "cb_rmsnorm_params"),
+    (SampleParams, "cb_sample_params"),
 ]
 
 

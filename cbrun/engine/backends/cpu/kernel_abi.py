@@ -68,6 +68,9 @@ class AbiStruct(IntEnum):
     ATTEND = 0
     LINEAR = 1
     DENSE = 2
+    RMSNORM = 3
+    SAMPLE = 4
+    KV_WRITE = 5
 
 
 # The one variant table: each family of ISA variants by name, fastest last (kernel_loader.py scores them at load).
@@ -109,6 +112,23 @@ class AttendParams(ctypes.Structure):
         ("scale", _F32),
         ("variant", _I32),
         ("threads", _I32),
+    ]
+
+
+class KvWriteParams(ctypes.Structure):
+    """cb_kv_write_params: paged_write's new K/V rows and their slots in the page pool (attention.c)."""
+
+    _fields_ = [
+        ("pool", _P),
+        ("src", _P),
+        ("slots", _P),
+        ("T", _I64),
+        ("Hkv", _I64),
+        ("D", _I64),
+        ("slots_per_head", _I64),
+        ("head_stride", _I64),
+        ("token_stride", _I64),
+        ("elem", _I64),
     ]
 
 
@@ -158,11 +178,52 @@ class DenseParams(ctypes.Structure):
     ]
 
 
+class RmsnormParams(ctypes.Structure):
+    """cb_rmsnorm_params: rmsnorm_f32's rows, with the residual add (layer_ops.c)."""
+
+    _fields_ = [
+        ("x", _P),
+        ("delta", _P),
+        ("sum_out", _P),
+        ("w", _P),
+        ("out", _P),
+        ("ldx", _I64),
+        ("ldd", _I64),
+        ("lds", _I64),
+        ("ldo", _I64),
+        ("T", _I64),
+        ("heads", _I64),
+        ("D", _I64),
+        ("eps", _F32),
+        ("threads", _I32),
+    ]
+
+
+class SampleParams(ctypes.Structure):
+    """cb_sample_params: sample_rows_f32's logits rows, draws and outputs (sampling.c)."""
+
+    _fields_ = [
+        ("logits", _P),
+        ("inv_temp", _P),
+        ("uniform", _P),
+        ("token", _P),
+        ("normalizer", _P),
+        ("scratch", _P),
+        ("N", _I64),
+        ("V", _I64),
+        ("row_stride", _I64),
+        ("threads", _I32),
+    ]
+
+
 # Each parameter struct by its CB_ABI_* number: what `bind` compares with the library's cb_abi_size.
 STRUCTS: dict[AbiStruct, type[ctypes.Structure]] = {
     AbiStruct.ATTEND: AttendParams,
     AbiStruct.LINEAR: LinearParams,
     AbiStruct.DENSE: DenseParams,
+    AbiStruct.RMSNORM: RmsnormParams,
+    AbiStruct.SAMPLE: SampleParams,
+    AbiStruct.KV_WRITE: KvWriteParams,
 }
 _ATTEND = (_INT, [ctypes.POINTER(AttendParams)])
 _LINEAR = (_INT, [ctypes.POINTER(LinearParams)])
@@ -178,9 +239,9 @@ SIGNATURES = {
     "paged_attend_max_gd": (_I64, []),
     "paged_attend_segment": (_I64, []),
     "attend_dp_scores": (_INT, [_INT, _P, _P, _I64, _I64, _I64, _F32, _P]),
-    "paged_write": (None, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64]),
+    "paged_write": (None, [ctypes.POINTER(KvWriteParams)]),
     # sampling.c
-    "sample_rows_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT]),
+    "sample_rows_f32": (None, [ctypes.POINTER(SampleParams)]),
     "apply_token_masks": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _INT]),
     # linear.c
     "linear_rows": _DENSE,
@@ -189,7 +250,7 @@ SIGNATURES = {
     "linear_vec_width": (_INT, []),
     "linear_panel_rows": (_INT, []),
     # layer_ops.c
-    "rmsnorm_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _I64, _INT]),
+    "rmsnorm_f32": (None, [ctypes.POINTER(RmsnormParams)]),
     "rope_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _INT]),
     "silu_mul_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT]),
     # linear_dpbf16.c

@@ -41,6 +41,9 @@ from cbrun.engine.backends.cpu.kernel_abi import (
     AttendParams,
     DenseParams,
     KernelError,
+    KvWriteParams,
+    RmsnormParams,
+    SampleParams,
     check,
     is_bf16,
     optional_ptr,
@@ -163,18 +166,19 @@ class CpuKernels(PairDotKernels):
         if new.stride(-1) != 1 or new.dtype != pool.dtype or not pool.is_contiguous():  # unusual layouts: torch
             pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, new.to(pool.dtype))
             return
-        self._lib.paged_write(
-            ptr(pool),
-            ptr(new),
-            ptr(slots),
-            new.shape[1],
-            num_kv,
-            dim,
-            num_blocks * page,
-            new.stride(0),
-            new.stride(1),
-            pool.element_size(),
+        params = KvWriteParams(
+            pool=ptr(pool),
+            src=ptr(new),
+            slots=ptr(slots),
+            T=new.shape[1],
+            Hkv=num_kv,
+            D=dim,
+            slots_per_head=num_blocks * page,
+            head_stride=new.stride(0),
+            token_stride=new.stride(1),
+            elem=pool.element_size(),
         )
+        self._lib.paged_write(ctypes.byref(params))
 
     def sample(
         self, logits: torch.Tensor, inv_temp: torch.Tensor, uniform: torch.Tensor
@@ -189,18 +193,19 @@ class CpuKernels(PairDotKernels):
         token = torch.empty(rows, dtype=torch.int64)
         normalizer = torch.empty(rows, dtype=torch.float32)
         scratch = torch.empty(count * vocab, dtype=torch.float32)
-        self._lib.sample_rows_f32(
-            ptr(logits),
-            rows,
-            vocab,
-            logits.stride(0),
-            ptr(inv_temp),
-            ptr(uniform),
-            ptr(token),
-            ptr(normalizer),
-            ptr(scratch),
-            count,
+        params = SampleParams(
+            logits=ptr(logits),
+            inv_temp=ptr(inv_temp),
+            uniform=ptr(uniform),
+            token=ptr(token),
+            normalizer=ptr(normalizer),
+            scratch=ptr(scratch),
+            N=rows,
+            V=vocab,
+            row_stride=logits.stride(0),
+            threads=count,
         )
+        self._lib.sample_rows_f32(ctypes.byref(params))
         return token, normalizer
 
     def linear(
@@ -345,22 +350,23 @@ class CpuKernels(PairDotKernels):
         dim = weight.numel()
         out = torch.empty(tokens, width, dtype=torch.float32)
         total = torch.empty_like(out) if delta is not None else x
-        self._lib.rmsnorm_f32(
-            ptr(x),
-            x.stride(0),
-            optional_ptr(delta),
-            delta.stride(0) if delta is not None else 0,
-            ptr(total),
-            total.stride(0),
-            ptr(weight),
-            eps,
-            ptr(out),
-            out.stride(0),
-            tokens,
-            width // dim,
-            dim,
-            threads(),
+        params = RmsnormParams(
+            x=ptr(x),
+            delta=optional_ptr(delta),
+            sum_out=ptr(total),
+            w=ptr(weight),
+            out=ptr(out),
+            ldx=x.stride(0),
+            ldd=delta.stride(0) if delta is not None else 0,
+            lds=total.stride(0),
+            ldo=out.stride(0),
+            T=tokens,
+            heads=width // dim,
+            D=dim,
+            eps=eps,
+            threads=threads(),
         )
+        self._lib.rmsnorm_f32(ctypes.byref(params))
         return out, total
 
     def rope(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
