@@ -56,9 +56,10 @@ from cbrun.engine.backends.cpu.pair_dot_kernels import LINEAR_DTYPES, PairDotKer
 from cbrun.engine.backends.metadata import PagedRows
 
 
-class CpuKernels(PairDotKernels):
+class CpuKernels:
     """ctypes bindings of the compiled kernels: paged attention, K/V writes, sampling, linear layers,
-    and the fused decoder layers' norm, rotary and activation."""
+    and the fused decoder layers' norm, rotary and activation. The packed linears are parts of their own:
+    `dp` (pair_dot_kernels.py: bf16 pairs) and `int8` (int8_kernels.py)."""
 
     _ATTEND: ClassVar[dict[torch.dtype, str]] = {torch.float32: "paged_attend_f32", torch.bfloat16: "paged_attend_bf16"}
     MAX_GROUP = 64  # query heads per kv head (MAX_G in attention.c)
@@ -74,8 +75,8 @@ class CpuKernels(PairDotKernels):
         self.max_gd = int(library.paged_attend_max_gd())
         self.segment = int(library.paged_attend_segment())  # keys per online-softmax segment
         self.max_segments = int(library.linear_max_segments())
-        self.dp_block_outputs = int(library.dp_block_outputs())  # outputs per packed block (DP_BLOCK)
         self.attend_dp_variant = variants.attention  # bf16 scores on pair dots (attention.c), chosen at load
+        self.dp = PairDotKernels(library, variants)  # linear_dpbf16.c's entry points
         self.int8 = Int8Kernels(library, variants)  # linear_int8.c's entry points
         self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
 
@@ -155,6 +156,10 @@ class CpuKernels(PairDotKernels):
         status = function(ctypes.byref(params))
         check(status, "attend")
         return out
+
+    def dp_attention_runs(self, variant: str) -> bool:
+        """Whether this CPU runs a variant of the pair-dot attention scores (the linears' answer: dp_pairs.h)."""
+        return self.dp.variant_runs(variant)
 
     def attend_dp_scores(self, variant: str, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
         """Scores [G, n] of q [G, D] against keys [n, D] by one variant of the pair-dot scores (isa_variants.py)."""
