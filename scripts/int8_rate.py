@@ -44,7 +44,7 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=generator) / k**0.5).bfloat16() for n, k in shapes]
-    bf16 = DP_ISA if kernels.dp_variant_runs("isa") else DP_TWIN
+    bf16 = DP_ISA if kernels.dp.variant_runs("isa") else DP_TWIN
     methods = [bf16, *(m for m in INT8_METHODS.values() if m.runs_on(kernels) and m.variant != "scalar")]
     print(f"{cpu_model()}, {args.threads} threads, shapes {' '.join(args.shapes)}")
     for rows in args.rows:

@@ -86,7 +86,7 @@ def test_rope_is_bit_identical_to_transformers(dim):
 
 
 class _CountingKernels:
-    """The kernels, counting calls by name (their facts, such as `dp_block_outputs`, pass through as they are)."""
+    """The kernels, counting calls by name (its facts and parts, such as `dp`, pass through as they are)."""
 
     def __init__(self, inner):
         import collections

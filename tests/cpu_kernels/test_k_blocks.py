@@ -16,7 +16,7 @@ from cbrun.engine.backends.cpu.kernel_loader import build_kernels, load_cpu_kern
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the compiled CPU kernels cannot be built here")
-HAS_ISA = kernels is not None and kernels.dp_variant_runs("isa")
+HAS_ISA = kernels is not None and kernels.dp.variant_runs("isa")
 VARIANTS = [
     "scalar",
     "twin",
@@ -45,7 +45,7 @@ def test_the_unblocked_reference_is_the_instruction_model(unblocked):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 1536, generator=gen).to(torch.bfloat16)
     w = torch.randn(40, 1536, generator=gen).to(torch.bfloat16)
-    got = unblocked.dp_linear(x, unblocked.dp_pack(w), 40, 1536, "scalar", out_dtype=torch.float32)
+    got = unblocked.dp.linear(x, unblocked.dp.pack(w), 40, 1536, "scalar", out_dtype=torch.float32)
     assert torch.equal(_bits(got), _bits(_instruction_model(x, w)))
 
 
@@ -57,10 +57,10 @@ def test_every_output_keeps_the_unblocked_chain(unblocked, variant, inner):
     x[3, : inner // 3] *= 1e-36  # sums through the denormal range, where flushing shows
     w = (torch.randn(64, inner, generator=gen) / inner**0.5).to(torch.bfloat16)
     bias = torch.randn(64, generator=gen)
-    reference = unblocked.dp_linear(x, unblocked.dp_pack(w), 64, inner, "scalar", bias, out_dtype=torch.float32)
-    packed = kernels.dp_pack(w)
+    reference = unblocked.dp.linear(x, unblocked.dp.pack(w), 64, inner, "scalar", bias, out_dtype=torch.float32)
+    packed = kernels.dp.pack(w)
     for rows in ROWS:
-        got = kernels.dp_linear(x[:rows], packed, 64, inner, variant, bias, out_dtype=torch.float32)
+        got = kernels.dp.linear(x[:rows], packed, 64, inner, variant, bias, out_dtype=torch.float32)
         assert torch.equal(_bits(got), _bits(reference[:rows])), (variant, inner, rows)
 
 
@@ -73,8 +73,8 @@ def test_gated_outputs_keep_the_unblocked_chain(unblocked, variant, mode):
     x = torch.randn(130, inner, generator=gen).to(torch.bfloat16)
     gate, up = ((torch.randn(width, inner, generator=gen) / 64).to(torch.bfloat16) for _ in range(2))
     biases = torch.randn(width, generator=gen), torch.randn(width, generator=gen)
-    reference = unblocked.dp_linear(x, unblocked.dp_pack(gate, up), width, inner, "scalar", *biases, gated=mode)
-    got = kernels.dp_linear(x, kernels.dp_pack(gate, up), width, inner, variant, *biases, gated=mode)
+    reference = unblocked.dp.linear(x, unblocked.dp.pack(gate, up), width, inner, "scalar", *biases, gated=mode)
+    got = kernels.dp.linear(x, kernels.dp.pack(gate, up), width, inner, variant, *biases, gated=mode)
     assert got.dtype == torch.bfloat16 and torch.equal(_bits(got), _bits(reference))
 
 

@@ -12,12 +12,16 @@ from cbrun.engine.backends.cpu import kernel_abi
 from cbrun.engine.backends.cpu.kernel_abi import (
     AbiStruct,
     AttendParams,
+    DenseParams,
     DpVariant,
     I8Variant,
     KernelError,
+    KvWriteParams,
     LinearParams,
     Mode,
+    RmsnormParams,
     Role,
+    SampleParams,
     Status,
     check,
 )
@@ -38,7 +42,8 @@ def _defines() -> dict[str, int]:
 
 
 def _struct_fields(name: str) -> list[tuple[str, type]]:
-    """(field, ctypes type) of the header's `typedef struct {...} name;`, in order (every pointer a void*)."""
+    """(field, ctypes type) of the header's `typedef struct {...} name;`, in order (every pointer a void*, an
+    array of pointers such as `const void* const* w` too: its last word is the field's name)."""
     body = re.search(r"typedef struct \{([^{}]*)\}\s*" + name + ";", _header())
     assert body is not None, name
     fields: list[tuple[str, type]] = []
@@ -46,10 +51,8 @@ def _struct_fields(name: str) -> list[tuple[str, type]]:
         base = re.match(r"(?:const\s+)?(\w+)", declaration)
         assert base is not None, declaration
         for declarator in declaration[base.end() :].split(","):
-            field = declarator.strip()
-            fields.append(
-                (field.lstrip("*").strip(), ctypes.c_void_p if field.startswith("*") else C_TYPES[base.group(1)])
-            )
+            field = re.findall(r"\w+", declarator)[-1]
+            fields.append((field, ctypes.c_void_p if "*" in declarator else C_TYPES[base.group(1)]))
     return fields
 
 
@@ -68,9 +71,26 @@ def test_the_variant_table_names_every_variant_of_the_header():
     assert sorted(kernel_abi.ROLES.values()) == sorted(Role) and sorted(kernel_abi.MODES.values()) == sorted(Mode)
 
 
-@pytest.mark.parametrize(("struct", "name"), [(AttendParams, "cb_attend_params"), (LinearParams, "cb_linear_params")])
+# Each parameter struct of the header, and its mirror.
+STRUCTS = [
+    (AttendParams, "cb_attend_params"),
+    (LinearParams, "cb_linear_params"),
+    (KvWriteParams, "cb_kv_write_params"),
+    (DenseParams, "cb_dense_params"),
+    (RmsnormParams, "cb_rmsnorm_params"),
+    (SampleParams, "cb_sample_params"),
+]
+
+
+@pytest.mark.parametrize(("struct", "name"), STRUCTS)
 def test_each_parameter_struct_has_the_headers_fields_in_its_order(struct, name):
     assert [(field, kind) for field, kind in struct._fields_] == _struct_fields(name)
+
+
+def test_every_struct_of_the_header_is_mirrored_and_measured():
+    assert sorted(re.findall(r"\}\s*(cb_\w+_params);", _header())) == sorted(name for _, name in STRUCTS)
+    assert set(kernel_abi.STRUCTS) == set(AbiStruct)
+    assert set(kernel_abi.STRUCTS.values()) == {struct for struct, _ in STRUCTS}
 
 
 def test_a_status_other_than_ok_raises_with_its_meaning():
@@ -89,3 +109,5 @@ def test_the_loaded_library_has_the_struct_sizes_of_python():
         pytest.skip("the compiled kernels are unavailable here")
     assert kernels._lib.cb_abi_size(AbiStruct.ATTEND) == ctypes.sizeof(AttendParams)
     assert kernels._lib.cb_abi_size(AbiStruct.LINEAR) == ctypes.sizeof(LinearParams)
+    for which, struct in kernel_abi.STRUCTS.items():
+        assert kernels._lib.cb_abi_size(which) == ctypes.sizeof(struct), struct.__name__

@@ -29,7 +29,7 @@ from cbrun.engine.backends.cpu.self_check import Shape, check_method
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the compiled CPU kernels cannot be built here")
-HAS_ISA = kernels is not None and kernels.dp_variant_runs("isa")
+HAS_ISA = kernels is not None and kernels.dp.variant_runs("isa")
 VARIANTS = ["twin", pytest.param("isa", marks=pytest.mark.skipif(not HAS_ISA, reason="this CPU lacks AVX512-BF16"))]
 SHAPES = [(1, 64, 32), (5, 33, 37), (9, 576, 64), (17, 100, 1), (40, 1536, 45)]  # (M, K, N): odd K, edge blocks
 
@@ -210,7 +210,7 @@ def test_the_portable_policy_picks_the_instruction_where_the_cpu_has_it(tmp_path
     choice = choose_linear_method(kernels, torch.bfloat16, [Shape(40, 96)], "portable")
     assert choice.method is (DP_ISA if HAS_ISA else DP_TWIN)
     assert choose_linear_method(kernels, torch.float32, [Shape(40, 96)], "portable").method is F32
-    assert kernels.dp_variant_runs("isa") == bool({"avx512_bf16"} & set(cpu_flags().split()))
+    assert kernels.dp.variant_runs("isa") == bool({"avx512_bf16"} & set(cpu_flags().split()))
 
 
 @pytest.mark.skipif(

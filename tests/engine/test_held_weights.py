@@ -115,12 +115,12 @@ def test_packing_a_member_and_reading_it_back_is_exact(role):
     inner, width = 99, 70  # an odd K (a pad element) and a partial last block
     weight = torch.randn(width, inner, generator=gen).to(torch.bfloat16)
     weight[0, :4] = torch.tensor([1e-40, -0.0, float("inf"), float("nan")])  # denormal, signed zero, inf, nan
-    packed = kernels.dp_packed(width + 10, inner, gated=role != "plain")
+    packed = kernels.dp.packed(width + 10, inner, gated=role != "plain")
     first = 10 if role == "plain" else 0
-    kernels.dp_pack_into(packed, inner, weight, role, first)
-    assert torch.equal(_bits(kernels.dp_unpack(packed, inner, role, first, width)), _bits(weight))
+    kernels.dp.pack_into(packed, inner, weight, role, first)
+    assert torch.equal(_bits(kernels.dp.unpack(packed, inner, role, first, width)), _bits(weight))
     ids = torch.tensor([first + 69, first, first + 33])
-    assert torch.equal(_bits(kernels.dp_unpack(packed, inner, role, ids=ids)), _bits(weight[[69, 0, 33]]))
+    assert torch.equal(_bits(kernels.dp.unpack(packed, inner, role, ids=ids)), _bits(weight[[69, 0, 33]]))
 
 
 @pytest.mark.parametrize("role", ["plain", "gate", "up"])
@@ -133,11 +133,11 @@ def test_packing_rows_of_a_wider_matrix_equals_packing_their_copy(role):
     first = 7 if role == "plain" else 0  # lanes 7..15 one by one, then whole groups of 16
     packs = []
     for weight in (wide[:, :inner], wide[:, :inner].contiguous()):
-        packed = kernels.dp_packed(width + first, inner, gated=role != "plain")
-        kernels.dp_pack_into(packed, inner, weight, role, first)
+        packed = kernels.dp.packed(width + first, inner, gated=role != "plain")
+        kernels.dp.pack_into(packed, inner, weight, role, first)
         packs.append(packed)
     assert torch.equal(packs[0], packs[1])
-    assert torch.equal(_bits(kernels.dp_unpack(packs[0], inner, role, first, width)), _bits(wide[:, :inner]))
+    assert torch.equal(_bits(kernels.dp.unpack(packs[0], inner, role, first, width)), _bits(wide[:, :inner]))
 
 
 @pytest.mark.parametrize(

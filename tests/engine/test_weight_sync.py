@@ -90,10 +90,10 @@ def test_a_bf16_update_packs_the_linears_once_and_shares_the_rest(qwen2_tied_dir
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # tied: one tensor
     with Engine(model, tokenizer, CONFIG) as engine:
         packed = []
-        pack = type(engine.core.backend.kernels).dp_pack_into
+        pack = type(engine.core.backend.kernels.dp).pack_into
         monkeypatch.setattr(
-            type(engine.core.backend.kernels),
-            "dp_pack_into",
+            type(engine.core.backend.kernels.dp),
+            "pack_into",
             lambda self, packs, inner, weight, *args: (
                 packed.append(weight.shape) or pack(self, packs, inner, weight, *args)
             ),

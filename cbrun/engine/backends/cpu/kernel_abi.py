@@ -67,6 +67,10 @@ class AbiStruct(IntEnum):
 
     ATTEND = 0
     LINEAR = 1
+    DENSE = 2
+    RMSNORM = 3
+    SAMPLE = 4
+    KV_WRITE = 5
 
 
 # The one variant table: each family of ISA variants by name, fastest last (kernel_loader.py scores them at load).
@@ -111,6 +115,23 @@ class AttendParams(ctypes.Structure):
     ]
 
 
+class KvWriteParams(ctypes.Structure):
+    """cb_kv_write_params: paged_write's new K/V rows and their slots in the page pool (attention.c)."""
+
+    _fields_ = [
+        ("pool", _P),
+        ("src", _P),
+        ("slots", _P),
+        ("T", _I64),
+        ("Hkv", _I64),
+        ("D", _I64),
+        ("slots_per_head", _I64),
+        ("head_stride", _I64),
+        ("token_stride", _I64),
+        ("elem", _I64),
+    ]
+
+
 class LinearParams(ctypes.Structure):
     """cb_linear_params: a linear over a packed matrix (dp_linear, i8_linear)."""
 
@@ -135,9 +156,78 @@ class LinearParams(ctypes.Structure):
     ]
 
 
-_STRUCTS: dict[AbiStruct, type[ctypes.Structure]] = {AbiStruct.ATTEND: AttendParams, AbiStruct.LINEAR: LinearParams}
+class DenseParams(ctypes.Structure):
+    """cb_dense_params: a linear reading fp32/bf16 weights in place (linear_rows; gated_silu, gate and up)."""
+
+    _fields_ = [
+        ("x", _P),
+        ("w", _P),
+        ("bias", _P),
+        ("n", _P),
+        ("y", _P),
+        ("xp", _P),
+        ("ldx", _I64),
+        ("ldy", _I64),
+        ("M", _I64),
+        ("K", _I64),
+        ("count", _I32),
+        ("x_bf16", _I32),
+        ("w_bf16", _I32),
+        ("y_bf16", _I32),
+        ("threads", _I32),
+    ]
+
+
+class RmsnormParams(ctypes.Structure):
+    """cb_rmsnorm_params: rmsnorm_f32's rows, with the residual add (layer_ops.c)."""
+
+    _fields_ = [
+        ("x", _P),
+        ("delta", _P),
+        ("sum_out", _P),
+        ("w", _P),
+        ("out", _P),
+        ("ldx", _I64),
+        ("ldd", _I64),
+        ("lds", _I64),
+        ("ldo", _I64),
+        ("T", _I64),
+        ("heads", _I64),
+        ("D", _I64),
+        ("eps", _F32),
+        ("threads", _I32),
+    ]
+
+
+class SampleParams(ctypes.Structure):
+    """cb_sample_params: sample_rows_f32's logits rows, draws and outputs (sampling.c)."""
+
+    _fields_ = [
+        ("logits", _P),
+        ("inv_temp", _P),
+        ("uniform", _P),
+        ("token", _P),
+        ("normalizer", _P),
+        ("scratch", _P),
+        ("N", _I64),
+        ("V", _I64),
+        ("row_stride", _I64),
+        ("threads", _I32),
+    ]
+
+
+# Each parameter struct by its CB_ABI_* number: what `bind` compares with the library's cb_abi_size.
+STRUCTS: dict[AbiStruct, type[ctypes.Structure]] = {
+    AbiStruct.ATTEND: AttendParams,
+    AbiStruct.LINEAR: LinearParams,
+    AbiStruct.DENSE: DenseParams,
+    AbiStruct.RMSNORM: RmsnormParams,
+    AbiStruct.SAMPLE: SampleParams,
+    AbiStruct.KV_WRITE: KvWriteParams,
+}
 _ATTEND = (_INT, [ctypes.POINTER(AttendParams)])
 _LINEAR = (_INT, [ctypes.POINTER(LinearParams)])
+_DENSE = (_INT, [ctypes.POINTER(DenseParams)])
 
 # Every exported function: (restype, argtypes), declared once when the library is bound.
 SIGNATURES = {
@@ -149,18 +239,18 @@ SIGNATURES = {
     "paged_attend_max_gd": (_I64, []),
     "paged_attend_segment": (_I64, []),
     "attend_dp_scores": (_INT, [_INT, _P, _P, _I64, _I64, _I64, _F32, _P]),
-    "paged_write": (None, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64]),
+    "paged_write": (None, [ctypes.POINTER(KvWriteParams)]),
     # sampling.c
-    "sample_rows_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT]),
+    "sample_rows_f32": (None, [ctypes.POINTER(SampleParams)]),
     "apply_token_masks": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _INT]),
     # linear.c
-    "linear_rows": (_INT, [_P, _I64, _INT, _INT, _P, _P, _INT, _P, _P, _I64, _INT, _I64, _I64, _P, _INT]),
+    "linear_rows": _DENSE,
     "linear_max_segments": (_INT, []),
-    "gated_silu": (_INT, [_P, _I64, _INT, _P, _P, _P, _P, _INT, _P, _I64, _INT, _I64, _I64, _I64, _P, _INT]),
+    "gated_silu": _DENSE,
     "linear_vec_width": (_INT, []),
     "linear_panel_rows": (_INT, []),
     # layer_ops.c
-    "rmsnorm_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _I64, _INT]),
+    "rmsnorm_f32": (None, [ctypes.POINTER(RmsnormParams)]),
     "rope_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _INT]),
     "silu_mul_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _INT]),
     # linear_dpbf16.c
@@ -207,7 +297,7 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     for name, (restype, argtypes) in SIGNATURES.items():
         function = getattr(library, name)
         function.restype, function.argtypes = restype, argtypes
-    for which, struct in _STRUCTS.items():
+    for which, struct in STRUCTS.items():
         size = library.cb_abi_size(which)
         if size != ctypes.sizeof(struct):
             raise KernelError(f"{struct.__name__}: {ctypes.sizeof(struct)} bytes here, {size} in the library")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -38,7 +39,11 @@ from cbrun.engine.backends.cpu.isa_variants import IsaVariants, dp_scores
 from cbrun.engine.backends.cpu.kernel_abi import (
     VARIANTS,
     AttendParams,
+    DenseParams,
     KernelError,
+    KvWriteParams,
+    RmsnormParams,
+    SampleParams,
     check,
     is_bf16,
     optional_ptr,
@@ -51,9 +56,10 @@ from cbrun.engine.backends.cpu.pair_dot_kernels import LINEAR_DTYPES, PairDotKer
 from cbrun.engine.backends.metadata import PagedRows
 
 
-class CpuKernels(PairDotKernels):
+class CpuKernels:
     """ctypes bindings of the compiled kernels: paged attention, K/V writes, sampling, linear layers,
-    and the fused decoder layers' norm, rotary and activation."""
+    and the fused decoder layers' norm, rotary and activation. The packed linears are parts of their own:
+    `dp` (pair_dot_kernels.py: bf16 pairs) and `int8` (int8_kernels.py)."""
 
     _ATTEND: ClassVar[dict[torch.dtype, str]] = {torch.float32: "paged_attend_f32", torch.bfloat16: "paged_attend_bf16"}
     MAX_GROUP = 64  # query heads per kv head (MAX_G in attention.c)
@@ -69,8 +75,8 @@ class CpuKernels(PairDotKernels):
         self.max_gd = int(library.paged_attend_max_gd())
         self.segment = int(library.paged_attend_segment())  # keys per online-softmax segment
         self.max_segments = int(library.linear_max_segments())
-        self.dp_block_outputs = int(library.dp_block_outputs())  # outputs per packed block (DP_BLOCK)
         self.attend_dp_variant = variants.attention  # bf16 scores on pair dots (attention.c), chosen at load
+        self.dp = PairDotKernels(library, variants)  # linear_dpbf16.c's entry points
         self.int8 = Int8Kernels(library, variants)  # linear_int8.c's entry points
         self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
 
@@ -151,6 +157,10 @@ class CpuKernels(PairDotKernels):
         check(status, "attend")
         return out
 
+    def dp_attention_runs(self, variant: str) -> bool:
+        """Whether this CPU runs a variant of the pair-dot attention scores (the linears' answer: dp_pairs.h)."""
+        return self.dp.variant_runs(variant)
+
     def attend_dp_scores(self, variant: str, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
         """Scores [G, n] of q [G, D] against keys [n, D] by one variant of the pair-dot scores (isa_variants.py)."""
         return dp_scores(self._lib, variant, q, keys, scale)
@@ -161,18 +171,19 @@ class CpuKernels(PairDotKernels):
         if new.stride(-1) != 1 or new.dtype != pool.dtype or not pool.is_contiguous():  # unusual layouts: torch
             pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, new.to(pool.dtype))
             return
-        self._lib.paged_write(
-            ptr(pool),
-            ptr(new),
-            ptr(slots),
-            new.shape[1],
-            num_kv,
-            dim,
-            num_blocks * page,
-            new.stride(0),
-            new.stride(1),
-            pool.element_size(),
+        params = KvWriteParams(
+            pool=ptr(pool),
+            src=ptr(new),
+            slots=ptr(slots),
+            T=new.shape[1],
+            Hkv=num_kv,
+            D=dim,
+            slots_per_head=num_blocks * page,
+            head_stride=new.stride(0),
+            token_stride=new.stride(1),
+            elem=pool.element_size(),
         )
+        self._lib.paged_write(ctypes.byref(params))
 
     def sample(
         self, logits: torch.Tensor, inv_temp: torch.Tensor, uniform: torch.Tensor
@@ -187,18 +198,19 @@ class CpuKernels(PairDotKernels):
         token = torch.empty(rows, dtype=torch.int64)
         normalizer = torch.empty(rows, dtype=torch.float32)
         scratch = torch.empty(count * vocab, dtype=torch.float32)
-        self._lib.sample_rows_f32(
-            ptr(logits),
-            rows,
-            vocab,
-            logits.stride(0),
-            ptr(inv_temp),
-            ptr(uniform),
-            ptr(token),
-            ptr(normalizer),
-            ptr(scratch),
-            count,
+        params = SampleParams(
+            logits=ptr(logits),
+            inv_temp=ptr(inv_temp),
+            uniform=ptr(uniform),
+            token=ptr(token),
+            normalizer=ptr(normalizer),
+            scratch=ptr(scratch),
+            N=rows,
+            V=vocab,
+            row_stride=logits.stride(0),
+            threads=count,
         )
+        self._lib.sample_rows_f32(ctypes.byref(params))
         return token, normalizer
 
     def linear(
@@ -227,25 +239,7 @@ class CpuKernels(PairDotKernels):
         _check_linear_operands(x, weights, biases, inner)
         widths = [w.shape[0] for w in weights]
         out = torch.empty(rows, sum(widths), dtype=out_dtype or x.dtype)
-        count = len(weights)
-        status = self._lib.linear_rows(
-            ptr(x),
-            x.stride(0),
-            is_bf16(x),
-            count,
-            pointers(weights),
-            pointers(biases),
-            is_bf16(weights[0]),
-            (ctypes.c_int64 * count)(*widths),
-            ptr(out),
-            out.stride(0),
-            is_bf16(out),
-            rows,
-            inner,
-            ptr(self._panel_scratch(rows, inner)),
-            threads(),
-        )
-        check(status, "linear")
+        check(self._dense(self._lib.linear_rows, x, weights, biases, out), "linear")
         return out
 
     def gated_silu(
@@ -263,26 +257,41 @@ class CpuKernels(PairDotKernels):
         if gate.shape != up.shape:
             raise KernelError("gated_silu: gate and up weights differ in shape")
         out = torch.empty(rows, gate.shape[0], dtype=x.dtype)
-        status = self._lib.gated_silu(
-            ptr(x),
-            x.stride(0),
-            is_bf16(x),
-            ptr(gate),
-            ptr(up),
-            optional_ptr(gate_bias),
-            optional_ptr(up_bias),
-            is_bf16(gate),
-            ptr(out),
-            out.stride(0),
-            is_bf16(out),
-            rows,
-            gate.shape[0],
-            inner,
-            ptr(self._panel_scratch(rows, inner)),
-            threads(),
-        )
-        check(status, "gated_silu")
+        check(self._dense(self._lib.gated_silu, x, [gate, up], [gate_bias, up_bias], out), "gated_silu")
         return out
+
+    def _dense(
+        self,
+        function: Callable[..., int],
+        x: torch.Tensor,
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor | None],
+        out: torch.Tensor,
+    ) -> int:
+        """linear_rows or gated_silu (`function`) on x [M, K], weights [N_s, K] and biases [N_s] (or None) into
+        out (rows unit-stride) through one cb_dense_params; returns the kernel's status."""
+        rows, inner = x.shape
+        count = len(weights)
+        w, b = pointers(weights), pointers(biases)  # [count] each: held here until the call returns
+        n = (ctypes.c_int64 * count)(*(weight.shape[0] for weight in weights))  # [count]
+        params = DenseParams(
+            x=ptr(x),
+            w=ctypes.addressof(w),
+            bias=ctypes.addressof(b),
+            n=ctypes.addressof(n),
+            y=ptr(out),
+            xp=ptr(self._panel_scratch(rows, inner)),
+            ldx=x.stride(0),
+            ldy=out.stride(0),
+            M=rows,
+            K=inner,
+            count=count,
+            x_bf16=is_bf16(x),
+            w_bf16=is_bf16(weights[0]),
+            y_bf16=is_bf16(out),
+            threads=threads(),
+        )
+        return int(function(ctypes.byref(params)))
 
     def _panel_scratch(self, rows: int, inner: int) -> torch.Tensor:
         """Room for the linear kernels' packed copy of x (16-row panels), kept per thread and grown on demand."""
@@ -346,22 +355,23 @@ class CpuKernels(PairDotKernels):
         dim = weight.numel()
         out = torch.empty(tokens, width, dtype=torch.float32)
         total = torch.empty_like(out) if delta is not None else x
-        self._lib.rmsnorm_f32(
-            ptr(x),
-            x.stride(0),
-            optional_ptr(delta),
-            delta.stride(0) if delta is not None else 0,
-            ptr(total),
-            total.stride(0),
-            ptr(weight),
-            eps,
-            ptr(out),
-            out.stride(0),
-            tokens,
-            width // dim,
-            dim,
-            threads(),
+        params = RmsnormParams(
+            x=ptr(x),
+            delta=optional_ptr(delta),
+            sum_out=ptr(total),
+            w=ptr(weight),
+            out=ptr(out),
+            ldx=x.stride(0),
+            ldd=delta.stride(0) if delta is not None else 0,
+            lds=total.stride(0),
+            ldo=out.stride(0),
+            T=tokens,
+            heads=width // dim,
+            D=dim,
+            eps=eps,
+            threads=threads(),
         )
+        self._lib.rmsnorm_f32(ctypes.byref(params))
         return out, total
 
     def rope(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -107,7 +107,7 @@ class LinearMethod:
 
     def runs_on(self, kernels: CpuKernels) -> bool:
         """Whether this CPU can run the method's kernel at all (an ISA variant needs its instructions)."""
-        return self.kernel != "dp" or kernels.dp_variant_runs(self.variant)
+        return self.kernel != "dp" or kernels.dp.variant_runs(self.variant)
 
     def reference(self) -> LinearMethod | None:
         """The plain-C method this one must equal bit for bit (its self-check compares them), if any."""
@@ -214,7 +214,7 @@ class _PairDotLinear:
 
     The packed matrix is the only copy of the weights: each member is packed
     straight from its tensor into its own output lanes, and read back out of
-    them (dp_unpack, exact) when the model wants its dense weights again.
+    them (unpack, exact) when the model wants its dense weights again.
     """
 
     owns_weights = True
@@ -228,17 +228,17 @@ class _PairDotLinear:
         biases: Sequence[torch.Tensor | None],
         gated: bool,
     ) -> None:
-        self.kernels, self.variant, self.gated = kernels, variant, gated
+        self.dp, self.variant, self.gated = kernels.dp, variant, gated
         self.inner, self.widths, self.outputs, self.roles, self.starts, self.bias, self.up_bias = member_layout(
             weights, biases, gated
         )
-        self.packed = kernels.dp_packed(self.outputs, self.inner, gated)  # [blocks * Kp * 32] int16
+        self.packed = self.dp.packed(self.outputs, self.inner, gated)  # [blocks * Kp * 32] int16
         for index, weight in enumerate(weights):
             self._pack(index, weight)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        out = self.kernels.dp_linear(
+        out = self.dp.linear(
             rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, self.gated, out_dtype
         )  # [M, N]
         return out.view(*x.shape[:-1], self.outputs)
@@ -246,11 +246,11 @@ class _PairDotLinear:
     def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         start, width = self.starts[index], self.widths[index]
-        block = self.kernels.dp_block_outputs
+        block = self.dp.block_outputs
         if not self.gated and start % block == 0:  # its own blocks: computed alone, the same chains
             per_block = (self.inner + self.inner % 2) * block
             bias = self.bias[start : start + width] if self.bias is not None else None
-            out = self.kernels.dp_linear(
+            out = self.dp.linear(
                 rows,
                 self.packed[start // block * per_block :],
                 width,
@@ -263,7 +263,7 @@ class _PairDotLinear:
             )  # [M, N_index]
             return out.view(*x.shape[:-1], width)
         mode = "raw" if self.gated else False  # gated: both sums side by side [M, 2N]
-        out = self.kernels.dp_linear(
+        out = self.dp.linear(
             rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, mode, out_dtype
         )
         first = self.outputs * index if self.gated else self.starts[index]
@@ -272,13 +272,13 @@ class _PairDotLinear:
 
     def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        out = self.kernels.dp_linear(
+        out = self.dp.linear(
             rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, "raw", torch.float32
         )  # [M, 2N]: gate sums, then up sums
         return out[:, : self.outputs], out[:, self.outputs :]
 
     def weight(self, index: int) -> torch.Tensor:
-        return self.kernels.dp_unpack(
+        return self.dp.unpack(
             self.packed, self.inner, self.roles[index], self.starts[index], self.widths[index]
         )  # [N_index, K] bf16
 
@@ -293,7 +293,7 @@ class _PairDotLinear:
 
     def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
         start = self.starts[index]
-        return self.kernels.dp_unpack(self.packed, self.inner, self.roles[index], ids=ids + start if start else ids)
+        return self.dp.unpack(self.packed, self.inner, self.roles[index], ids=ids + start if start else ids)
 
     def release(self) -> None:
         self.packed = torch.empty(0, dtype=torch.int16)
@@ -301,7 +301,7 @@ class _PairDotLinear:
     def _pack(self, index: int, weight: torch.Tensor) -> None:
         rows = weight.detach().to(torch.bfloat16)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-        self.kernels.dp_pack_into(self.packed, self.inner, rows, self.roles[index], self.starts[index])
+        self.dp.pack_into(self.packed, self.inner, rows, self.roles[index], self.starts[index])
 
     @property
     def nbytes(self) -> int:

@@ -1,20 +1,20 @@
 """The bf16 pair-dot linears (linear_dpbf16.c) from Python: packing weights once, and the GEMM on the packed blocks.
 
-Part of the kernels object (CpuKernels takes these methods), in a file of
-their own: the packed layout and its checks are one role. The variant a call
-runs ("scalar", "twin", "isa") is chosen by the linear method after the load
-found which run here (isa_variants.py); see linear_dpbf16.c for the arithmetic
-all three share.
+The kernels object holds these as `kernels.dp`, as it holds the int8 linears
+as `kernels.int8` (int8_kernels.py): the packed layout and its checks are one
+role, with its own scratch. The variant a call runs ("scalar", "twin", "isa")
+is chosen by the linear method after the load found which run here
+(isa_variants.py); see linear_dpbf16.c for the arithmetic all three share.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
-from cbrun.engine.backends.cpu.isa_variants import IsaVariants
 from cbrun.engine.backends.cpu.kernel_abi import (
     MODES,
     ROLES,
@@ -29,35 +29,38 @@ from cbrun.engine.backends.cpu.kernel_abi import (
     unit_stride_rows,
 )
 
+if TYPE_CHECKING:
+    from cbrun.engine.backends.cpu.isa_variants import IsaVariants
+
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PairDotKernels:
     """linear_dpbf16.c's entry points on the loaded library, with their arguments checked."""
 
-    _lib: ctypes.CDLL
-    _local: threading.local
-    variants: IsaVariants
-    dp_block_outputs: int  # outputs per packed block (DP_BLOCK)
+    VARIANTS = VARIANTS["dp"]  # the variant numbers (kernel_abi), by name
+    ROLES = ROLES  # a weight's role in a packed matrix: all of it, or a gated matrix's gate or up half
+    MODES = MODES
 
-    DP_VARIANTS = VARIANTS["dp"]  # the variant numbers (kernel_abi), by name
-    DP_ROLES = ROLES  # a weight's role in a packed matrix: all of it, or a gated matrix's gate or up half
+    def __init__(self, library: ctypes.CDLL, variants: IsaVariants) -> None:
+        self._lib = library
+        self.variants = variants
+        self.block_outputs = int(self._lib.dp_block_outputs())  # outputs per packed block (DP_BLOCK)
+        self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
 
-    def dp_variant_runs(self, variant: str) -> bool:
+    def variant_runs(self, variant: str) -> bool:
         """Whether this CPU runs a variant of the pair kernels, linear and attention alike ("isa": AVX512-BF16)."""
         return self.variants.runnable("dp", variant)
 
-    dp_attention_runs = dp_variant_runs  # one C function answers both (dp_pairs.h)
-
-    def dp_packed(self, outputs: int, inner: int, gated: bool = False) -> torch.Tensor:
+    def packed(self, outputs: int, inner: int, gated: bool = False) -> torch.Tensor:
         """An empty packed matrix (zeros): `outputs` outputs of `inner` inputs (gated: that many gate and up rows)."""
         size = self._lib.dp_packed_size(outputs, inner, int(gated))
         packed = torch.empty(size, dtype=torch.int16)
-        blocks = size // ((inner + inner % 2) * self.dp_block_outputs)
+        blocks = size // ((inner + inner % 2) * self.block_outputs)
         check(self._lib.dp_zero_blocks(ptr(packed), blocks, inner, threads()), "dp_packed")
         return packed  # zeros, each block first touched by the thread that computes it
 
-    def dp_pack_into(
+    def pack_into(
         self, packed: torch.Tensor, inner: int, weight: torch.Tensor, role: str = "plain", first: int = 0
     ) -> None:
         """Write bf16 `weight` [n, K] (rows unit-stride) as outputs first .. first + n - 1 of `role` into `packed`."""
@@ -76,14 +79,14 @@ class PairDotKernels:
             weight.stride(0),
             weight.shape[0],
             inner,
-            ROLES[role],
+            self.ROLES[role],
             first,
             ptr(packed),
             threads(),
         )
         check(status, "dp_pack")
 
-    def dp_unpack(
+    def unpack(
         self,
         packed: torch.Tensor,
         inner: int,
@@ -102,7 +105,7 @@ class PairDotKernels:
         status = self._lib.dp_unpack_weight(
             ptr(packed),
             inner,
-            ROLES[role],
+            self.ROLES[role],
             first,
             optional_ptr(ids),
             count,
@@ -113,20 +116,20 @@ class PairDotKernels:
         check(status, "dp_unpack")
         return out
 
-    def dp_pack(self, weight: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         """bf16 weight [N, K] (gated: gate [N, K] and up [N, K]) -> its packed blocks, flat int16."""
         if up is not None and up.shape != weight.shape:
             raise KernelError("dp_pack: gate and up weights differ in shape")
         rows, inner = weight.shape
-        packed = self.dp_packed(rows, inner, gated=up is not None)
+        packed = self.packed(rows, inner, gated=up is not None)
         if up is None:
-            self.dp_pack_into(packed, inner, weight)
+            self.pack_into(packed, inner, weight)
         else:
-            self.dp_pack_into(packed, inner, weight, "gate")
-            self.dp_pack_into(packed, inner, up, "up")
+            self.pack_into(packed, inner, weight, "gate")
+            self.pack_into(packed, inner, up, "up")
         return packed
 
-    def dp_linear(
+    def linear(
         self,
         x: torch.Tensor,
         packed: torch.Tensor,
@@ -148,8 +151,8 @@ class PairDotKernels:
         for b in (bias, up_bias):
             if b is not None and (b.dtype != torch.float32 or b.shape != (outputs,) or not b.is_contiguous()):
                 raise KernelError(f"dp_linear: bias {tuple(b.shape)} {b.dtype} is not fp32 [{outputs}]")
-        mode = MODES["raw"] if gated == "raw" else MODES["silu"] if gated else MODES["plain"]
-        out = torch.empty(rows, outputs * (2 if mode == MODES["raw"] else 1), dtype=out_dtype or x.dtype)
+        mode = self.MODES["raw"] if gated == "raw" else self.MODES["silu"] if gated else self.MODES["plain"]
+        out = torch.empty(rows, outputs * (2 if mode == self.MODES["raw"] else 1), dtype=out_dtype or x.dtype)
         if out.dtype not in LINEAR_DTYPES:
             raise KernelError(f"dp_linear: output dtype {out.dtype}")
         params = LinearParams(
@@ -158,7 +161,7 @@ class PairDotKernels:
             bias=optional_ptr(bias),
             up_bias=optional_ptr(up_bias),
             y=ptr(out),
-            scratch=ptr(self._dp_scratch(rows * (inner + inner % 2))),
+            scratch=ptr(self._scratch(rows * (inner + inner % 2))),
             ldx=x.stride(0),
             N=outputs,
             K=inner,
@@ -167,14 +170,14 @@ class PairDotKernels:
             x_bf16=is_bf16(x),
             y_bf16=is_bf16(out),
             mode=mode,
-            variant=VARIANTS["dp"][variant],
+            variant=self.VARIANTS[variant],
             threads=threads(),
         )
         status = self._lib.dp_linear(ctypes.byref(params))
         check(status, "dp_linear")
         return out
 
-    def _dp_scratch(self, elements: int) -> torch.Tensor:
+    def _scratch(self, elements: int) -> torch.Tensor:
         """Room for dp_linear's bf16 copy of x, kept per thread and grown on demand."""
         scratch = getattr(self._local, "dp_rows", None)
         if scratch is None or scratch.numel() < max(1, elements):

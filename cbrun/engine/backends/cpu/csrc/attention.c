@@ -695,11 +695,14 @@ int64_t paged_attend_max_gd(void) { return MAX_GD; }
 int64_t paged_attend_segment(void) { return SEG; }
 
 /* pool [H_kv, NB * P, D] (contiguous); src [H_kv, T, D] with strides (head, token) in
- * elements and unit stride along D; slots [T]. Copies T * H_kv rows of D elements. */
-void paged_write(char* pool, const char* src, const int64_t* slots, int64_t T, int64_t Hkv, int64_t D,
-                 int64_t slots_per_head, int64_t head_stride, int64_t token_stride, int64_t elem) {
-  const int64_t row = D * elem;
-  for (int64_t h = 0; h < Hkv; ++h)
-    for (int64_t t = 0; t < T; ++t)
-      memcpy(pool + (h * slots_per_head + slots[t]) * row, src + (h * head_stride + t * token_stride) * elem, row);
+ * elements and unit stride along D; slots [T] (cb_kv_write_params). Copies T * H_kv rows of D elements. */
+void paged_write(const cb_kv_write_params* a) {
+  char* pool = a->pool;
+  const char* src = a->src;
+  const int64_t elem = a->elem, row = a->D * elem;
+  for (int64_t h = 0; h < a->Hkv; ++h)
+    for (int64_t t = 0; t < a->T; ++t) {
+      const int64_t slot = h * a->slots_per_head + a->slots[t];
+      memcpy(pool + slot * row, src + (h * a->head_stride + t * a->token_stride) * elem, row);
+    }
 }

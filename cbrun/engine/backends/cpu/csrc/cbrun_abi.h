@@ -55,6 +55,14 @@ typedef struct {
   int32_t threads;
 } cb_attend_params;
 
+/* ---- K/V writes into the page pool (attention.c: paged_write) --------------------------------------------- */
+typedef struct {
+  void* pool;           /* [Hkv, slots_per_head, D] elements of elem bytes: a layer's [Hkv, NB, P, D] pool */
+  const void* src;      /* [Hkv, T, D] the new tokens' rows, head_stride and token_stride elements apart */
+  const int64_t* slots; /* [T] each token's flat slot in a head's slots_per_head = NB * P */
+  int64_t T, Hkv, D, slots_per_head, head_stride, token_stride, elem;
+} cb_kv_write_params;
+
 /* ---- a linear over a packed matrix (linear_dpbf16.c: dp_linear; linear_int8.c: i8_linear) ----------------- */
 typedef struct {
   const void* x;        /* [M, K] rows ldx apart, bf16 (x_bf16) or fp32 */
@@ -68,8 +76,49 @@ typedef struct {
   int32_t x_bf16, y_bf16, mode, variant, threads;
 } cb_linear_params;
 
+/* ---- a linear reading fp32 or bf16 weights in place (linear.c: linear_rows, gated_silu) ------------------- */
+typedef struct {
+  const void* x;           /* [M, K] rows ldx apart, bf16 (x_bf16) or fp32 */
+  const void* const* w;    /* [count] weights, w[s] [n[s], K] contiguous, bf16 (w_bf16) or fp32 */
+  const void* const* bias; /* [count] biases, bias[s] [n[s]] in the weights' type, or NULL */
+  const int64_t* n;        /* [count] outputs of each weight */
+  void* y;                 /* [M, sum n] rows ldy apart (gated_silu: [M, n[0]]), bf16 (y_bf16) or fp32 */
+  float* xp;               /* x's panels: ceil(M / linear_panel_rows()) * linear_panel_rows() * K floats */
+  int64_t ldx, ldy, M, K;
+  int32_t count; /* linear_rows: 1 .. linear_max_segments(); gated_silu: 2, the gate then the up weight */
+  int32_t x_bf16, w_bf16, y_bf16, threads;
+} cb_dense_params;
+
+/* ---- RMS norm of fp32 rows, after the residual add (layer_ops.c: rmsnorm_f32) ----------------------------- */
+typedef struct {
+  const float* x;     /* [T, heads * D] rows ldx apart */
+  const float* delta; /* [T, heads * D] rows ldd apart, or NULL: with it, the rows of x + delta are normalized */
+  float* sum_out;     /* [T, heads * D] rows lds apart: x + delta, stored (unused without delta) */
+  const float* w;     /* [D] the norm's weight */
+  float* out;         /* [T, heads * D] rows ldo apart */
+  int64_t ldx, ldd, lds, ldo, T, heads, D;
+  float eps;
+  int32_t threads;
+} cb_rmsnorm_params;
+
+/* ---- sampling: one parallel pass per fp32 logits row (sampling.c: sample_rows_f32) ------------------------ */
+typedef struct {
+  const float* logits;   /* [N, V] rows row_stride apart */
+  const float* inv_temp; /* [N] 1 / temperature (1 for greedy rows) */
+  const double* uniform; /* [N] the row's draw in [0, 1), or a negative number for greedy rows */
+  int64_t* token;        /* [N] out: the argmax, or the inverse-CDF draw of softmax(logits * inv_temp) */
+  float* normalizer;     /* [N] out: logsumexp(logits * inv_temp) */
+  float* scratch;        /* [threads, V] the exponentials of sampled rows */
+  int64_t N, V, row_stride;
+  int32_t threads;
+} cb_sample_params;
+
 /* Which struct cb_abi_size measures. */
 #define CB_ABI_ATTEND 0
 #define CB_ABI_LINEAR 1
+#define CB_ABI_DENSE 2
+#define CB_ABI_RMSNORM 3
+#define CB_ABI_SAMPLE 4
+#define CB_ABI_KV_WRITE 5
 
 #endif

@@ -12,6 +12,7 @@
  * Products and sums are kept separate, as torch computes them (no fused
  * multiply-add), so rope matches the stock modules bit for bit and rmsnorm up
  * to the order of its sum of squares. */
+#include "cbrun_abi.h"
 #include "vec.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -56,15 +57,15 @@ static NO_FMA void rmsnorm_row(const float* x, const float* delta, float* sum_ou
 }
 
 /* Rows (t, j) for t < T, j < heads, at x + t * ldx + j * D (likewise delta, sum_out, out). */
-void rmsnorm_f32(const float* x, int64_t ldx, const float* delta, int64_t ldd, float* sum_out, int64_t lds,
-                 const float* w, float eps, float* out, int64_t ldo, int64_t T, int64_t heads, int64_t D,
-                 int threads) {
-  const int use = T * heads * D >= PARALLEL_MIN_ELEMENTS ? threads : 1;
+void rmsnorm_f32(const cb_rmsnorm_params* a) {
+  const int64_t heads = a->heads, D = a->D;
+  const int use = a->T * heads * D >= PARALLEL_MIN_ELEMENTS ? a->threads : 1;
   _Pragma("omp parallel for schedule(static) num_threads(use)")
-  for (int64_t r = 0; r < T * heads; ++r) {
+  for (int64_t r = 0; r < a->T * heads; ++r) {
     const int64_t t = r / heads, j = r % heads;
-    rmsnorm_row(x + t * ldx + j * D, delta ? delta + t * ldd + j * D : 0, delta ? sum_out + t * lds + j * D : 0,
-                w, eps, out + t * ldo + j * D, D);
+    const float* delta = a->delta ? a->delta + t * a->ldd + j * D : 0;
+    rmsnorm_row(a->x + t * a->ldx + j * D, delta, delta ? a->sum_out + t * a->lds + j * D : 0, a->w, a->eps,
+                a->out + t * a->ldo + j * D, D);
   }
 }
 

@@ -40,9 +40,10 @@
  *   gated_silu     y[M, N] = silu(x @ wg^T + bg) * (x @ wu^T + bu): a gated MLP's
  *                  gate and up projections, with the activation in the epilogue.
  *
- * Element types are flags: x, the weights (with their biases) and y are each
- * fp32 or bf16. Both take `xp`, scratch for ceil(M / 16) * 16 * K floats. Both
- * return 0, CB_BAD_ARGS for arguments they cannot handle (nothing written), or
+ * Both take one cb_dense_params (cbrun_abi.h: the shapes). Element types are
+ * flags: x, the weights (with their biases) and y are each fp32 or bf16. Both
+ * take `xp`, scratch for ceil(M / 16) * 16 * K floats. Both return CB_OK,
+ * CB_BAD_ARGS for arguments they cannot handle (nothing written), or
  * CB_NO_MEMORY.
  */
 #include <stdlib.h>
@@ -194,7 +195,7 @@ static int run_tiles(const void* x, int64_t ldx, int x_bf16, int w_bf16, int64_t
     free(buffer);
     free(sums);
   }
-  return failed ? CB_NO_MEMORY : 0;
+  return failed ? CB_NO_MEMORY : CB_OK;
 }
 
 /* The weights of a linear_rows call: segments s of n[s] rows each, outputs side by side. */
@@ -236,18 +237,17 @@ static void emit_linear(const tile_target* target, int64_t m, int count, tile_bl
                    target->bias ? out[j][i] + element(target->bias, j, target->bias_bf16) : out[j][i]);
 }
 
-int linear_rows(const void* x, int64_t ldx, int x_bf16, int count, const void* const* w, const void* const* bias,
-                int w_bf16, const int64_t* n, void* y, int64_t ldy, int y_bf16, int64_t M, int64_t K, float* xp,
-                int threads) {
-  if (count < 1 || count > MAX_SEGMENTS || M < 0 || K < 1) return CB_BAD_ARGS;
-  if (M == 0) return 0;
-  const linear_call c = {count, w_bf16, y_bf16, w, bias, n, K, y, ldy};
+int linear_rows(const cb_dense_params* a) {
+  if (a->count < 1 || a->count > MAX_SEGMENTS || a->M < 0 || a->K < 1) return CB_BAD_ARGS;
+  if (a->M == 0) return CB_OK;
+  const linear_call c = {a->count, a->w_bf16, a->y_bf16, a->w, a->bias, a->n, a->K, a->y, a->ldy};
   int64_t tiles = 0;
-  for (int s = 0; s < count; ++s) {
-    if (n[s] < 1) return CB_BAD_ARGS;
-    tiles += (n[s] + TILE_NR - 1) / TILE_NR;
+  for (int s = 0; s < a->count; ++s) {
+    if (a->n[s] < 1) return CB_BAD_ARGS;
+    tiles += (a->n[s] + TILE_NR - 1) / TILE_NR;
   }
-  return run_tiles(x, ldx, x_bf16, w_bf16, M, K, xp, threads, tiles, &c, segment_tile, emit_linear);
+  return run_tiles(a->x, a->ldx, a->x_bf16, a->w_bf16, a->M, a->K, a->xp, a->threads, tiles, &c, segment_tile,
+                   emit_linear);
 }
 
 int linear_max_segments(void) { return MAX_SEGMENTS; }
@@ -306,12 +306,12 @@ static void emit_gated(const tile_target* target, int64_t m, int count, tile_blo
     for (int j = 0; j < target->cols; ++j) store_output(target, m + i, j, out[j][i]);
 }
 
-int gated_silu(const void* x, int64_t ldx, int x_bf16, const void* wg, const void* wu, const void* bg,
-               const void* bu, int w_bf16, void* y, int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K,
-               float* xp, int threads) {
-  if (M < 0 || N < 1 || K < 1) return CB_BAD_ARGS;
-  if (M == 0) return 0;
-  const gated_call c = {wg, wu, bg, bu, w_bf16, y_bf16, N, K, y, ldy};
-  return run_tiles(x, ldx, x_bf16, w_bf16, M, K, xp, threads, (N + GATED_COLS - 1) / GATED_COLS, &c, gated_tile,
-                   emit_gated);
+/* The gate is weight 0 and the up projection weight 1 of `a`, of one width N = n[0] = n[1]. */
+int gated_silu(const cb_dense_params* a) {
+  if (a->count != 2 || a->M < 0 || a->n[0] < 1 || a->n[1] != a->n[0] || a->K < 1) return CB_BAD_ARGS;
+  if (a->M == 0) return CB_OK;
+  const int64_t N = a->n[0];
+  const gated_call c = {a->w[0], a->w[1], a->bias[0], a->bias[1], a->w_bf16, a->y_bf16, N, a->K, a->y, a->ldy};
+  return run_tiles(a->x, a->ldx, a->x_bf16, a->w_bf16, a->M, a->K, a->xp, a->threads, (N + GATED_COLS - 1) / GATED_COLS,
+                   &c, gated_tile, emit_gated);
 }

@@ -2,17 +2,20 @@
 #include <stdint.h>
 #include <omp.h>
 
+#include "cbrun_abi.h"
 #include "vec.h"
 
-/* Sampling, one row of fp32 logits per sequence.
- *   inv_temp[r]  1 / temperature (1 for greedy rows)
- *   uniform[r]   the row's draw in [0, 1), or a negative number for greedy rows
- * Outputs: token[r] (argmax, or the inverse-CDF draw of softmax(x * inv_temp)),
+/* Sampling, one row of fp32 logits per sequence (cb_sample_params in cbrun_abi.h: the arguments and shapes).
+ * Outputs: token[r] (argmax, or the inverse-CDF draw of softmax(x * inv_temp) at uniform[r]),
  *          normalizer[r] = logsumexp(x * inv_temp), so a logprob is x * inv_temp - normalizer.
- * scratch: [threads, V] floats for the exponentials of sampled rows. */
-void sample_rows_f32(const float* logits, int64_t N, int64_t V, int64_t row_stride, const float* inv_temp,
-                     const double* uniform, int64_t* token, float* normalizer, float* scratch, int threads) {
-  _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
+ * The fields are read into locals once: the loop's stores could alias *a, so the compiler would reload them. */
+void sample_rows_f32(const cb_sample_params* a) {
+  const float *logits = a->logits, *inv_temp = a->inv_temp;
+  const double* uniform = a->uniform;
+  int64_t* token = a->token;
+  float *normalizer = a->normalizer, *scratch = a->scratch;
+  const int64_t N = a->N, V = a->V, row_stride = a->row_stride;
+  _Pragma("omp parallel for schedule(dynamic, 1) num_threads(a->threads)")
   for (int64_t r = 0; r < N; ++r) {
     const float* x = logits + r * row_stride;
     const float t = inv_temp[r];
