@@ -410,8 +410,7 @@ static void i8_quantize_row(const void* x, int64_t ldx, int x_bf16, int64_t m, i
   v16f wide = splat16(0.f);
   for (int64_t k = 0; k < body; k += 16) {
     const v16f a = (v16f)((v16i)i8_read16(x, x_bf16, row + k) & 0x7fffffff);
-    const v16i take = a > wide;
-    wide = (v16f)(((v16i)a & take) | ((v16i)wide & ~take));
+    wide = vmax16(a, wide); /* a > wide ? a : wide, lane by lane: a NaN is never taken */
   }
   float amax = 0.f;
   for (int j = 0; j < 16; ++j) amax = wide[j] > amax ? wide[j] : amax;
