@@ -31,6 +31,7 @@ from cbrun.engine.cache.sizing import choose_num_blocks
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.detokenize import Detokenizer
 from cbrun.engine.grammar import GrammarCompiler, GrammarState, MaskFiller
+from cbrun.engine.host_memory import give_back_memory
 from cbrun.engine.model_spec import CausalLM, ModelSpec, Tokenizer, default_device, read_model_spec
 from cbrun.engine.request import Request, RequestStatus
 from cbrun.engine.sample.scoring import ScoredRows
@@ -40,7 +41,7 @@ from cbrun.engine.step.attention import register as register_attention
 from cbrun.engine.step.batch import BatchBuilder, PagedBatch
 from cbrun.engine.step.model_runner import ModelRunner, StepLogits
 from cbrun.engine.stop_checks import check_stop
-from cbrun.engine.weights import StashTarget, WeightStash, give_back_memory
+from cbrun.engine.weights import StashTarget, WeightStash
 from cbrun.lora.adapters import LoRAAdapters
 
 log = logging.getLogger("cbrun.engine")

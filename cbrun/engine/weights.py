@@ -16,9 +16,6 @@ plans) is rebuilt from the new ones.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, MutableMapping
@@ -202,15 +199,3 @@ def _stash_path(target: str | os.PathLike | None) -> tuple[Path, bool]:
     if path.is_dir():
         return path / "cbrun-sleep-weights.safetensors", True
     return path, False
-
-
-def give_back_memory() -> None:
-    """Return freed heap memory to the operating system (glibc keeps small freed blocks otherwise)."""
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        pass

@@ -30,11 +30,11 @@ from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, 
 from cbrun.engine.backends.cpu.method_selector import MethodChoice, choose_linear_method
 from cbrun.engine.backends.kernel_backend import KernelBackend
 from cbrun.engine.backends.metadata import SequenceRows
+from cbrun.engine.host_memory import give_back_memory, keep_freed_blocks
 from cbrun.engine.model_spec import CausalLM, ModelSpec
 from cbrun.engine.request import Request
 from cbrun.engine.sample.sampler import Sampled, sample
 from cbrun.engine.sample.scoring import ScoredRows, score_logits
-from cbrun.engine.weights import give_back_memory
 
 
 class CpuAttention:
@@ -114,6 +114,7 @@ class CpuBackend(KernelBackend):
         self.fused_layers = install_fused_layers(model, self.kernels, method, self.held)
         self.linears = install_linear_methods(model, self.kernels, methods, self.held)
         give_back_memory()  # the dropped tensors' heap pages
+        keep_freed_blocks()  # from now on: a step's big buffers reused, not mapped afresh (host_memory.py)
         self.install_attention(spec)
 
     def _install_int8(
