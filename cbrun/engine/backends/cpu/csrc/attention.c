@@ -17,27 +17,27 @@
  *
  * Batch invariance: a row's result depends on its query and keys alone. Keys
  * are taken in segments that end at multiples of SEG (absolute positions) and
- * the segment's own key range; each segment is split into page pieces at page
- * boundaries; every score is one multiply-add chain over D and a fixed lane
+ * the segment's own key range; each segment is split into runs of pages that
+ * follow each other in the pool (a page piece where they do not); every score is one multiply-add chain over D and a fixed lane
  * sum (bf16 with D a multiple of 32: bf16 pair dots, see "bf16 scores on
  * dot-product pairs" below); each segment updates the online softmax (flash-decoding style) in key
  * order. So a decode, the same token inside a prefill chunk of any length,
  * its recompute after a soft reset, and a row attending a shared prefix with
  * a hundred others all give the same bits. Rows sharing leading blocks
  * (a common system prompt, n samples of one prompt, the tokens of one chunk)
- * run as one task: each page piece of a shared segment is scored, and later
+ * run as one task: each run of a shared segment is scored, and later
  * summed, for the task's rows one after another while it sits in L1 (in passes
  * of as many rows as keep their scores in L1 too), so shared keys come from
  * memory once per task ("cascade" attention without a second kernel or a
  * merge step).
  *
- * Work is split over (task, kv head) pairs. Within a segment each page piece
- * is scored for the G = H / H_kv query heads while it sits in L1, in register
- * blocks of 3 heads x 4 keys that load every key vector once (the heads' query
- * vectors held in registers, so loads stay fewer than FMAs); then one
- * softmax update per head; then each piece's values are added for all heads,
- * in blocks of 3 heads x 32 dims that load every value vector once (3 heads x 64 dims, 16 lanes, with
- * AVX-512). Runs of
+ * Work is split over (task, kv head) pairs. Within a segment each run is scored
+ * for the G = H / H_kv query heads, in register blocks of 3 heads x 4 keys that
+ * load every key vector once (the heads' query vectors held in registers, so
+ * loads stay fewer than FMAs; with AVX-512, 3 pairs of heads x 4 keys, a pair in
+ * 16 lanes); then one softmax update per head; then each run's values are added
+ * for all heads, in blocks of 3 heads x 32 dims that load every value vector once
+ * (3 heads x 64 dims, 16 lanes, with AVX-512). Runs of
  * adjacent pages are left to the hardware prefetcher; a segment on pages that
  * jump is prefetched one ahead.
  *
@@ -60,6 +60,7 @@
 #define SEG 128 /* keys per online-softmax segment: fewer, longer segments measured faster than 64 (fewer rescales) */
 #endif
 #define MAX_G 64    /* query heads per kv head */
+_Static_assert(SEG % 16 == 0, "segments of whole 16-lane vectors (online_softmax16)");
 
 /* A dot product with one key row (for the keys left over from whole score blocks): one accumulator
  * over the C = D / 8 vectors of a head row and the lane sum of reduce4, so a key's score has the same
@@ -74,15 +75,25 @@
 DEFINE_ROW_OPS(f32, float, load_f32)
 DEFINE_ROW_OPS(bf16, uint16_t, load_bf16)
 
+/* Row of position pos in a pool of P-row pages, found through `table` (table[0] is logical page `first`). */
+static inline int64_t pool_row(const int64_t* table, int64_t first, int64_t pos, int64_t P) {
+  return table[pos / P - first] * P + pos % P;
+}
+
 /* Keys of the page piece at position pos: to the end of its page of P rows, or to `end` if sooner. */
 static inline int64_t piece_keys(int64_t pos, int64_t end, int64_t P) {
   const int64_t to_page_end = P - pos % P;
   return to_page_end < end - pos ? to_page_end : end - pos;
 }
 
-/* Row of position pos in a pool of P-row pages, found through `table` (table[0] is logical page `first`). */
-static inline int64_t pool_row(const int64_t* table, int64_t first, int64_t pos, int64_t P) {
-  return table[pos / P - first] * P + pos % P;
+/* Keys of the run at position pos: page pieces up to `end` while each next page follows its predecessor in the
+ * pool (a prompt's pages mostly do), so the keys lie at consecutive rows. Computing a run at once or piece by
+ * piece is the same arithmetic in the same order (scores are per key; values are summed key after key); a
+ * longer run only pays each pass's set-up (accumulator loads and stores) fewer times. */
+static inline int64_t run_keys(const int64_t* table, int64_t first, int64_t pos, int64_t end, int64_t P) {
+  int64_t stop = pos + piece_keys(pos, end, P);
+  while (stop < end && table[stop / P - first] == table[(stop - 1) / P - first] + 1) stop += piece_keys(stop, end, P);
+  return stop - pos;
 }
 
 /* Prefetch into L2 the key and value rows of the chunk of up to SEG keys at
@@ -209,15 +220,49 @@ DEFINE_BLOCK_OPS(bf16, uint16_t, load_bf16)
  * head row in one register. Each lane is still its own chain over the keys in order (lanes only regroup),
  * so the bits are those of the 8-lane code, on AVX2 machines too; half the instructions (measured: the
  * bf16 kernel 6.1 -> 3.9 ms per layer on 256 W-prefix rows, Zen 5). ATTN_WIDE is 0 elsewhere and the
- * 16-lane function is then never called. (Scores stay 8 lanes: two keys per register, each half a key's
- * chain, measured slower: the halves' loads and inserts cost more than the FMAs saved.) */
-#if defined(__AVX512F__) && !defined(CBRUN_ATTN_NARROW)
-#define ATTN_WIDE 1
+ * 16-lane functions are then never called. (Scores go 16 lanes as two heads against one key broadcast into
+ * both halves, score_pairs_*; two keys per register, each half a key's chain, measured slower: the halves'
+ * loads and inserts cost more than the FMAs saved.) */
+#if (defined(__AVX512F__) || defined(CBRUN_ATTN_WIDE)) && !defined(CBRUN_ATTN_NARROW)
+#define ATTN_WIDE 1 /* -DCBRUN_ATTN_WIDE on AVX2: the same C in ymm halves (the tests' portable twin) */
+#if defined(__AVX512F__)
 #define KEEP_ZMM(v) __asm__("" : "+v"(v))
+#else
+#define KEEP_ZMM(v) ((void)0)
+#endif
 #else
 #define ATTN_WIDE 0
 #define KEEP_ZMM(v) ((void)0)
 #endif
+/* online_softmax with the exponentials 16 lanes at a time: the max is the same value whatever the lanes'
+ * grouping, each exponential is exp8's lane arithmetic (exp16), and the sum takes the 8-lane halves in
+ * online_softmax's order (s[0..8), s[8..16), ...; the padding's exp(-inf) adds exact zeros), so the same bits. */
+static inline float online_softmax16(float* s, int64_t n, float* m, float* l) {
+  const int64_t padded = (n + 15) & ~(int64_t)15; /* n <= SEG, a multiple of 16 */
+  for (int64_t j = n; j < padded; ++j) s[j] = -INFINITY;
+  v16f mx = splat16(*m);
+  for (int64_t j = 0; j < padded; j += 16) mx = vmax16(mx, load16_f32(s + j));
+  const v8f halves = vmax(__builtin_shufflevector(mx, mx, 0, 1, 2, 3, 4, 5, 6, 7),
+                          __builtin_shufflevector(mx, mx, 8, 9, 10, 11, 12, 13, 14, 15));
+  const float new_max = max_of(halves);
+  const float correction = expf(*m - new_max); /* 0 on the first segment */
+  v8f total = splat(0.f);
+  for (int64_t j = 0; j < padded; j += 16) {
+    const v16f p = exp16(load16_f32(s + j) - splat16(new_max));
+    store16_f32(s + j, p);
+    total += __builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7);
+    total += __builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  *l = *l * correction + hsum(total);
+  *m = new_max;
+  return correction;
+}
+#if ATTN_WIDE
+#define SEGMENT_SOFTMAX online_softmax16
+#else
+#define SEGMENT_SOFTMAX online_softmax
+#endif
+
 #define VB16 4 /* 16-lane value vectors per pass: 64 dims, HB * VB16 = 12 accumulators */
 
 #define DEFINE_WIDE_VALUE_OPS(SUFFIX, T, LOAD16)                                                         \
@@ -248,6 +293,68 @@ DEFINE_WIDE_VALUE_OPS(f32, float, load16_f32)
 DEFINE_WIDE_VALUE_OPS(bf16, uint16_t, load16_bf16)
 #define value_piece16_float value_piece16_f32
 #define value_piece16_uint16_t value_piece16_bf16
+
+/* Scores 16 lanes at a time where the compiler targets AVX-512F: two query heads side by side in one register
+ * (head 2p in lanes 0-7, head 2p + 1 in lanes 8-15, paired once per row: row_state.qp), each key vector
+ * broadcast into both halves by its load (a load-port broadcast, no shuffle), so one FMA advances two heads'
+ * chains. Each half is the 8-lane code's chain over the C vectors, and the lane sum is reduce4's tree in each
+ * 256-bit half, so every score has the bits of score_piece_##SUFFIX; half the FMAs and shuffles. A missing
+ * head 2p + 1 (odd G) runs on a zero query and is never stored. */
+#define PB 3  /* head pairs per score block: PB * KB = 12 accumulators */
+_Static_assert(PB == 3, "FOR_PAIR_BLOCKS has one branch per block size 1..3");
+#if defined(__clang__)
+#define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+#define EVEN16 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30
+#define ODD16 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31
+
+/* Four keys' accumulators of one head pair -> lanes 0-3: the lower head's four scores, lanes 8-11: the upper
+ * head's, each by reduce4's tree ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), operands in its order. */
+static inline v16f reduce4_pair(const v16f* a) {
+  const v16f s01 = SHUFFLE16(a[0], a[1], EVEN16) + SHUFFLE16(a[0], a[1], ODD16);
+  const v16f s23 = SHUFFLE16(a[2], a[3], EVEN16) + SHUFFLE16(a[2], a[3], ODD16);
+  const v16f t = SHUFFLE16(s01, s23, EVEN16) + SHUFFLE16(s01, s23, ODD16);
+  return t + __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+}
+
+#define DEFINE_WIDE_SCORE_OPS(SUFFIX, T, LOADV)                                                          \
+  /* s[h * SEG + j] = q_h . key_j for the heads of pb pairs (`heads`: 2 pb, or 2 pb - 1), qp paired, qf not */ \
+  static inline __attribute__((always_inline)) void score_pairs_##SUFFIX(                               \
+      const v16f* qp, const v8f* qf, int pb, int heads, const T* keys, int64_t n, int64_t C, float* s) {  \
+    int64_t j = 0;                                                                                       \
+    for (; j + KB <= n; j += KB) {                                                                       \
+      v16f a[PB][KB];                                                                                    \
+      for (int p = 0; p < pb; ++p)                                                                       \
+        for (int i = 0; i < KB; ++i) a[p][i] = splat16(0.f);                                             \
+      for (int64_t c = 0; c < C; ++c) {                                                                  \
+        v16f qc[PB];                                                                                     \
+        for (int p = 0; p < pb; ++p) {                                                                   \
+          qc[p] = load16_f32((const float*)(qp + p * C + c));                                            \
+          KEEP_ZMM(qc[p]);                                                                               \
+        }                                                                                                \
+        for (int i = 0; i < KB; ++i) {                                                                   \
+          const v8f half = LOADV(keys + (j + i) * C * 8 + c * 8);                                        \
+          v16f key = __builtin_shufflevector(half, half, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7); \
+          KEEP_ZMM(key);                                                                                 \
+          for (int p = 0; p < pb; ++p) a[p][i] += qc[p] * key;                                           \
+        }                                                                                                \
+      }                                                                                                  \
+      for (int p = 0; p < pb; ++p) {                                                                     \
+        const v16f sums = reduce4_pair(a[p]);                                                            \
+        const v4f lower = __builtin_shufflevector(sums, sums, 0, 1, 2, 3);                               \
+        const v4f upper = __builtin_shufflevector(sums, sums, 8, 9, 10, 11);                             \
+        memcpy(s + 2 * p * SEG + j, &lower, sizeof lower);                                               \
+        if (2 * p + 1 < heads) memcpy(s + (2 * p + 1) * SEG + j, &upper, sizeof upper);                  \
+      }                                                                                                  \
+    }                                                                                                    \
+    for (; j < n; ++j) /* the last keys one by one: dot_'s chain and sum on the 8-lane query, the same bits */ \
+      for (int h = 0; h < heads; ++h) s[h * SEG + j] = dot_##SUFFIX(qf + h * C, keys + j * C * 8, C);       \
+  }
+
+DEFINE_WIDE_SCORE_OPS(f32, float, load_f32)
+DEFINE_WIDE_SCORE_OPS(bf16, uint16_t, load_bf16)
 
 /* ---- bf16 scores on dot-product pairs (paged_attend_bf16dp) ------------------------------------ *
  *
@@ -418,10 +525,20 @@ int attend_dp_scores(int variant, const uint16_t* q, const uint16_t* keys, int64
     else { const int hb_ = 1; CALL; }                                                               \
   }
 
+/* Runs CALL for each block of head pairs [p0, p0 + pb_) of NP, pb_ a constant 1..PB in each branch. */
+#define FOR_PAIR_BLOCKS(NP, CALL)                                                                   \
+  for (int64_t p0 = 0; p0 < (NP); p0 += PB) {                                                       \
+    const int64_t left = (NP) - p0;                                                                 \
+    if (left >= PB) { const int pb_ = PB; CALL; }                                                   \
+    else if (left == 2) { const int pb_ = 2; CALL; }                                                \
+    else { const int pb_ = 1; CALL; }                                                               \
+  }
+
 /* Softmax state of one query row for one kv head: its G scaled query heads, running max and sum per
  * head, and the unnormalized output; C = D / 8 vectors per head. */
 typedef struct {
   v8f *qf, *acc;      /* [G * C] each */
+  v16f* qp;           /* [(G + 1) / 2 * C]: qf's heads in pairs, 2p in lanes 0-7 and 2p + 1 (or zeros) in 8-15 */
   float *m, *l;       /* [G] each */
   const uint16_t* qb; /* [G, D] the row's bf16 query heads as they lie (pair-dot scores) */
   float scale;
@@ -434,31 +551,35 @@ typedef struct {
  * order do not depend on `count`, so it gets the same bits alone or with others; with many rows, the
  * segment's keys and values (2 * SEG * D elements, more than L1) come from memory once, not once per
  * row. `scores` is scratch for count * G * SEG floats. */
-#define DEFINE_SEGMENT(SUFFIX, T, ATTR, SCORE)                                                           \
+#define DEFINE_SEGMENT(SUFFIX, T, ATTR, SCORE, PAIRS)                                                         \
   ATTR static inline __attribute__((always_inline)) void attend_segment_##SUFFIX(                       \
       const row_state* st, int64_t count, const T* k, const T* v, const int64_t* table, int64_t first,   \
       int64_t start, int64_t n, int64_t G, int64_t D, int64_t P, float* scores) {                        \
     const int64_t C = D / 8;                                                                             \
     for (int64_t pos = start; pos < start + n;) {                                                        \
-      const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
+      const int64_t cnt = run_keys(table, first, pos, start + n, P);                                     \
       const T* keys = k + pool_row(table, first, pos, P) * D;                                            \
       const char* piece_values = (const char*)(v + pool_row(table, first, pos, P) * D);                  \
       for (int64_t byte = 0; byte < cnt * D * (int64_t)sizeof(T); byte += 64) /* summed after the softmax */ \
         __builtin_prefetch(piece_values + byte);                                                         \
       for (int64_t i = 0; i < count; ++i) {                                                              \
         float* s = scores + i * G * SEG + (pos - start);                                                 \
-        FOR_HEAD_BLOCKS(G, SCORE(st[i], g0, hb_, keys, cnt, C, D, s + g0 * SEG))                         \
+        if (PAIRS##_WIDE) { /* heads in pairs, 16 lanes */                                               \
+          FOR_PAIR_BLOCKS((G + 1) / 2, PAIRS(st[i], p0, pb_, G - 2 * p0, keys, cnt, C, s + 2 * p0 * SEG))  \
+        } else {                                                                                          \
+          FOR_HEAD_BLOCKS(G, SCORE(st[i], g0, hb_, keys, cnt, C, D, s + g0 * SEG))                       \
+        }                                                                                                 \
       }                                                                                                  \
       pos += cnt;                                                                                        \
     }                                                                                                    \
     for (int64_t i = 0; i < count; ++i)                                                                  \
       for (int64_t g = 0; g < G; ++g) {                                                                  \
-        const float correction = online_softmax(scores + (i * G + g) * SEG, n, st[i].m + g, st[i].l + g); \
+        const float correction = SEGMENT_SOFTMAX(scores + (i * G + g) * SEG, n, st[i].m + g, st[i].l + g); \
         if (correction != 1.f)                                                                           \
           for (int64_t c = 0; c < C; ++c) st[i].acc[g * C + c] *= splat(correction);                     \
       }                                                                                                  \
     for (int64_t pos = start; pos < start + n;) {                                                        \
-      const int64_t cnt = piece_keys(pos, start + n, P);                                                 \
+      const int64_t cnt = run_keys(table, first, pos, start + n, P);                                     \
       const T* vals = v + pool_row(table, first, pos, P) * D;                                            \
       for (int64_t i = 0; i < count; ++i) {                                                              \
         const float* p = scores + i * G * SEG + (pos - start);                                           \
@@ -477,14 +598,23 @@ typedef struct {
 #define SCORE_DP_SCALAR(st, g0, hb, keys, n, C, D, s) score_piece_dp_scalar((st).qb + (g0) * (D), hb, keys, n, D, (st).scale, s)
 #define SCORE_DP_TWIN(st, g0, hb, keys, n, C, D, s) score_piece_dp_twin((st).qb + (g0) * (D), hb, keys, n, D, (st).scale, s)
 #define SCORE_DP_ISA(st, g0, hb, keys, n, C, D, s) score_piece_dp_isa((st).qb + (g0) * (D), hb, keys, n, D, (st).scale, s)
+/* Or head pairs in 16 lanes (score_pairs_*, the same bits) where ATTN_WIDE; the pair-dot scores never pair. */
+#define PAIRS_F32(st, p0, pb, heads, keys, n, C, s) \
+  score_pairs_f32((st).qp + (p0) * (C), (st).qf + 2 * (p0) * (C), pb, (int)((heads) < 2 * (pb) ? (heads) : 2 * (pb)), keys, n, C, s)
+#define PAIRS_BF16(st, p0, pb, heads, keys, n, C, s) \
+  score_pairs_bf16((st).qp + (p0) * (C), (st).qf + 2 * (p0) * (C), pb, (int)((heads) < 2 * (pb) ? (heads) : 2 * (pb)), keys, n, C, s)
+#define NO_PAIRS(st, p0, pb, heads, keys, n, C, s) ((void)(pb), (void)(heads), (void)(keys), (void)(s))
+#define PAIRS_F32_WIDE ATTN_WIDE
+#define PAIRS_BF16_WIDE ATTN_WIDE
+#define NO_PAIRS_WIDE 0
 #define NO_ATTR
 
-DEFINE_SEGMENT(f32, float, NO_ATTR, SCORE_F32)
-DEFINE_SEGMENT(bf16, uint16_t, NO_ATTR, SCORE_BF16)
-DEFINE_SEGMENT(dp_scalar, uint16_t, NO_ATTR, SCORE_DP_SCALAR)
-DEFINE_SEGMENT(dp_twin, uint16_t, NO_ATTR, SCORE_DP_TWIN)
+DEFINE_SEGMENT(f32, float, NO_ATTR, SCORE_F32, PAIRS_F32)
+DEFINE_SEGMENT(bf16, uint16_t, NO_ATTR, SCORE_BF16, PAIRS_BF16)
+DEFINE_SEGMENT(dp_scalar, uint16_t, NO_ATTR, SCORE_DP_SCALAR, NO_PAIRS)
+DEFINE_SEGMENT(dp_twin, uint16_t, NO_ATTR, SCORE_DP_TWIN, NO_PAIRS)
 #if DP_HAS_ISA_SOURCE
-DEFINE_SEGMENT(dp_isa, uint16_t, DPA_ISA_TARGET, SCORE_DP_ISA)
+DEFINE_SEGMENT(dp_isa, uint16_t, DPA_ISA_TARGET, SCORE_DP_ISA, NO_PAIRS)
 #endif
 
 /* Start of the segment after the one holding `pos`: segments end at multiples of SEG (absolute
@@ -570,7 +700,8 @@ static char* task_scratch(size_t bytes) {
     const int64_t C = D / 8;                                                                             \
     float scores[MAX_G * SEG] __attribute__((aligned(32)));                                              \
     const int64_t block = shared ? shared_block(G, count) : 1;                                           \
-    const size_t vector_bytes = scratch_round(sizeof(v8f) * 2 * G * C * count);                          \
+    const int64_t W = 2 * G * C + 2 * ((G + 1) / 2) * C; /* v8f per row: qf, acc, then qp's pairs */    \
+    const size_t vector_bytes = scratch_round(sizeof(v8f) * W * count);                                  \
     const size_t stat_bytes = scratch_round(sizeof(float) * 2 * G * count);                              \
     const size_t state_bytes = scratch_round(sizeof(row_state) * count);                                 \
     char* room = task_scratch(vector_bytes + stat_bytes + state_bytes                                    \
@@ -582,18 +713,26 @@ static char* task_scratch(size_t bytes) {
     float* shared_scores = shared ? (float*)(room + vector_bytes + stat_bytes + state_bytes) : 0;        \
     for (int64_t i = 0; i < count; ++i) {                                                                \
       const T* qr = q + (rows[i] * H + h * G) * D;                                                       \
-      v8f* qf = vectors + 2 * i * G * C;                                                                 \
+      v8f* qf = vectors + i * W;                                                                         \
       for (int64_t c = 0; c < G * C; ++c) {                                                              \
         qf[c] = LOADV(qr + c * 8) * splat(scale);                                                        \
         qf[G * C + c] = splat(0.f);                                                                      \
       }                                                                                                  \
+      if (ATTN_WIDE) /* the heads in pairs for score_pairs_* (the last one beside zeros where G is odd) */ \
+        for (int64_t g = 0; g < G; g += 2)                                                               \
+          for (int64_t c = 0; c < C; ++c) {                                                              \
+            const v8f lower = qf[g * C + c], upper = g + 1 < G ? qf[(g + 1) * C + c] : splat(0.f);       \
+            store16_f32((float*)(qf + 2 * G * C + g * C + 2 * c),                                        \
+                        __builtin_shufflevector(lower, upper, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)); \
+          }                                                                                              \
       for (int64_t g = 0; g < G; ++g) stats[2 * i * G + g] = -INFINITY, stats[(2 * i + 1) * G + g] = 0.f; \
     }                                                                                                    \
     _Pragma("GCC diagnostic push")                                                                       \
     _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")                                          \
     const int64_t lead = row_seq[rows[0]];                                                               \
     for (int64_t i = 0; i < count; ++i)                                                                  \
-      states[i] = (row_state){vectors + 2 * i * G * C, vectors + (2 * i + 1) * G * C, stats + 2 * i * G,  \
+      states[i] = (row_state){vectors + i * W, vectors + i * W + G * C, (v16f*)(void*)(vectors + i * W + 2 * G * C), \
+                              stats + 2 * i * G,                                                         \
                               stats + (2 * i + 1) * G,                                                   \
                               (const uint16_t*)(const void*)(q + (rows[i] * H + h * G) * D), scale};     \
     for (int64_t start = 0; start < shared; start += SEG) {                                              \
