@@ -1,7 +1,8 @@
 """The compiled attention gives the same bits at every vector width and whatever the pages' order.
 
 With AVX-512 the kernel scores two query heads per 16-lane register against one key broadcast into both halves,
-takes the softmax's exponentials 16 lanes at a time and sums values 16 lanes at a time; with AVX2 (or
+takes the softmax's exponentials 16 lanes at a time and sums values 16 lanes at a time (bf16 values 32 dims per
+load, the even and odd dims in separate registers, put back in order before the output is written); with AVX2 (or
 -DCBRUN_ATTN_NARROW) all of it runs 8 lanes. Each lane computes the same chain either way, so the outputs must
 be equal bit for bit: here the wide build (forced with -DCBRUN_ATTN_WIDE, so that on an AVX2 machine it is the
 same C in ymm halves) against the narrow one, at real head shapes, odd groups included (the last head of a pair
@@ -21,8 +22,11 @@ from cbrun.engine.backends.torch_attention import TorchRows, decode as torch_dec
 
 PAGE = 16
 # (query heads, KV heads, head size, dtype): Qwen2.5-1.5B, Qwen2.5-7B (7 per group), groups of 8, 3 and 1, and
-# bf16 heads of 80 (not a multiple of 32: the bf16 kernel's own scores, not pair dots)
+# bf16 heads of 128 and 64 (pair-dot scores; values 32 dims per load, even and odd dims in their own vectors) and
+# of 80 (not a multiple of 32: the bf16 kernel's own scores, values 16 dims per load)
 SHAPES = [
+    (12, 2, 128, torch.bfloat16),
+    (9, 3, 64, torch.bfloat16),
     (12, 2, 128, torch.float32),
     (28, 4, 128, torch.float32),
     (16, 2, 64, torch.float32),

@@ -37,7 +37,7 @@
  * loads stay fewer than FMAs; with AVX-512, 3 pairs of heads x 4 keys, a pair in
  * 16 lanes); then one softmax update per head; then each run's values are added
  * for all heads, in blocks of 3 heads x 32 dims that load every value vector once
- * (3 heads x 64 dims, 16 lanes, with AVX-512). Runs of
+ * (3 heads x 64 dims, 16 lanes, with AVX-512; bf16 values then 32 dims per load, value_pairs16). Runs of
  * adjacent pages are left to the hardware prefetcher; a segment on pages that
  * jump is prefetched one ahead.
  *
@@ -294,6 +294,62 @@ DEFINE_WIDE_VALUE_OPS(bf16, uint16_t, load16_bf16)
 #define value_piece16_float value_piece16_f32
 #define value_piece16_uint16_t value_piece16_bf16
 
+/* bf16 values 32 dims per 64-byte load, where ATTN_WIDE and D is a multiple of 32: the load's 16 even dims
+ * become fp32 by a shift (raw << 16) and its 16 odd dims by a mask (raw & 0xffff0000), the same fp32 values
+ * load16_bf16 gives, for half the loads and conversions (measured: the conversions, not the FMAs, bounded
+ * value_piece16_bf16 on Zen 4). A head's accumulators then hold each 32-dim chunk m as two vectors, 2m the
+ * even dims 32m + 2i and 2m + 1 the odd dims 32m + 2i + 1 (lane i); each lane is still its dim's own chain
+ * over the keys in order, so the bits are those of the dim-ordered code once unpair_values puts the dims
+ * back in order before the output is written. */
+#if defined(__clang__)
+#define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+typedef uint32_t v16u_mem __attribute__((vector_size(64), aligned(2), may_alias));
+#define PAIRED_VALUES(T, D) (ATTN_WIDE && sizeof(T) == 2 && (D) % 32 == 0)
+
+static inline __attribute__((always_inline)) void value_pairs16_uint16_t(v8f* acc, int hb, const float* p,
+                                                                        const uint16_t* values, int64_t n,
+                                                                        int64_t C) {
+  const int64_t C16 = C / 2; /* 16-lane vectors per head row: an even number (D % 32 == 0) */
+  for (int64_t c0 = 0; c0 < C16; c0 += VB16) {
+    const int vb = C16 - c0 < VB16 ? (int)(C16 - c0) : VB16; /* 2 or 4: whole chunks of 32 dims */
+    v16f a[HB][VB16];
+    for (int g = 0; g < hb; ++g)
+      for (int c = 0; c < vb; ++c) a[g][c] = load16_f32((const float*)(acc + g * C) + (c0 + c) * 16);
+    for (int64_t j = 0; j < n; ++j) {
+      v16f w[HB];
+      for (int g = 0; g < hb; ++g) w[g] = splat16(p[g * SEG + j]);
+      for (int c = 0; c < vb; c += 2) {
+        const v16u raw = *(const v16u_mem*)(values + j * C * 8 + (c0 + c) * 16); /* dims (c0 + c) * 16 ... + 31 */
+        v16f even = (v16f)(raw << 16), odd = (v16f)(raw & 0xffff0000u);
+        KEEP_ZMM(even);
+        KEEP_ZMM(odd);
+        for (int g = 0; g < hb; ++g) {
+          a[g][c] += w[g] * even;
+          a[g][c + 1] += w[g] * odd;
+        }
+      }
+    }
+    for (int g = 0; g < hb; ++g)
+      for (int c = 0; c < vb; ++c) store16_f32((float*)(acc + g * C) + (c0 + c) * 16, a[g][c]);
+  }
+}
+/* Never called (PAIRED_VALUES is false for fp32 values); named so that DEFINE_SEGMENT compiles for both. */
+#define value_pairs16_float value_piece16_f32
+
+/* A row's G heads' accumulators from value_pairs16's layout back to dim order (a permutation: no arithmetic). */
+static inline void unpair_values(v8f* acc, int64_t G, int64_t D) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t m = 0; m < D / 32; ++m) {
+      float* chunk = (float*)(acc + g * (D / 8)) + 32 * m;
+      const v16f even = load16_f32(chunk), odd = load16_f32(chunk + 16);
+      store16_f32(chunk, SHUFFLE16(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+      store16_f32(chunk + 16, SHUFFLE16(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+    }
+}
+
 /* Scores 16 lanes at a time where the compiler targets AVX-512F: two query heads side by side in one register
  * (head 2p in lanes 0-7, head 2p + 1 in lanes 8-15, paired once per row: row_state.qp), each key vector
  * broadcast into both halves by its load (a load-port broadcast, no shuffle), so one FMA advances two heads'
@@ -302,11 +358,6 @@ DEFINE_WIDE_VALUE_OPS(bf16, uint16_t, load16_bf16)
  * head 2p + 1 (odd G) runs on a zero query and is never stored. */
 #define PB 3  /* head pairs per score block: PB * KB = 12 accumulators */
 _Static_assert(PB == 3, "FOR_PAIR_BLOCKS has one branch per block size 1..3");
-#if defined(__clang__)
-#define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
-#endif
 #define EVEN16 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30
 #define ODD16 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31
 
@@ -583,7 +634,9 @@ typedef struct {
       const T* vals = v + pool_row(table, first, pos, P) * D;                                            \
       for (int64_t i = 0; i < count; ++i) {                                                              \
         const float* p = scores + i * G * SEG + (pos - start);                                           \
-        if (ATTN_WIDE && C % 2 == 0)                                                                     \
+        if (PAIRED_VALUES(T, D))                                                                         \
+          FOR_HEAD_BLOCKS(G, value_pairs16_##T(st[i].acc + g0 * C, hb_, p + g0 * SEG, vals, cnt, C))      \
+        else if (ATTN_WIDE && C % 2 == 0)                                                                \
           FOR_HEAD_BLOCKS(G, value_piece16_##T(st[i].acc + g0 * C, hb_, p + g0 * SEG, vals, cnt, C))      \
         else                                                                                             \
           FOR_HEAD_BLOCKS(G, value_piece_##T(st[i].acc + g0 * C, hb_, p + g0 * SEG, vals, cnt, C))       \
@@ -753,6 +806,7 @@ static char* task_scratch(size_t bytes) {
         attend_segment_##SUFFIX(&st, 1, k, v, table, first, start, end - start, G, D, P, scores);        \
         start = end;                                                                                     \
       }                                                                                                  \
+      if (PAIRED_VALUES(T, D)) unpair_values(st.acc, G, D);                                              \
       T* o = out + (r * H + h * G) * D;                                                                  \
       for (int64_t g = 0; g < G; ++g) {                                                                  \
         const v8f inv = splat(st.l[g] > 0.f ? 1.f / st.l[g] : 0.f);                                      \
