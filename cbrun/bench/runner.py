@@ -44,7 +44,7 @@ def _run_one(name: str, ctx: PeerContext, workload: Workload, warmup: Workload) 
         f"{workload.num_input_tokens} input tokens, up to {workload.max_output_tokens} output tokens"
     )
     attention = getattr(ctx.model.config, "_attn_implementation", None)
-    memory = PeakRss()
+    memory = PeakRss(children=name == "vllm")  # vLLM's processes; the others run in this one
     try:
         with memory:
             result = peer_runner(name)(ctx, workload, warmup)
