@@ -1,7 +1,7 @@
 """Peak resident memory of each engine while it runs, for the bench's table and JSON.
 
-In-process engines (cbrun, transformers) are measured as this process's RSS,
-sampled while they run (the model they share was loaded before, memory-mapped:
+In-process engines (cbrun, transformers) are measured as this process's RSS
+while they run (the model they share was loaded before, memory-mapped:
 the pages an engine reads or packs count to it); vLLM runs in child processes,
 measured as the sum of their RSS (shared pages counted in each: an upper
 bound). This process's peak is the kernel's own high-water mark (VmHWM),
@@ -47,7 +47,8 @@ def peak_since_reset() -> int:
 
 
 class PeakRss:
-    """Samples this process's RSS and, where asked, the summed RSS of its descendants, until closed."""
+    """This process's peak RSS while open (the kernel's high-water mark, or samples where it cannot be reset)
+    and, where asked, the peak of its descendants' summed RSS (samples)."""
 
     CHILD_LIST_EVERY = 20  # samples between listings of the descendants (1 s at the default interval)
 

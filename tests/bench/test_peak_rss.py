@@ -14,14 +14,18 @@ import time
 import psutil
 import pytest
 
+import cbrun.bench.memory as memory_module
 from cbrun.bench.memory import PeakRss, reset_peak
 
 
-def test_own_rss_alone_never_lists_the_descendants(monkeypatch):
+@pytest.mark.parametrize("mark_resets", [True, False], ids=["high-water-mark", "sampled"])
+def test_own_rss_alone_never_lists_the_descendants(monkeypatch, mark_resets):
     def listed(*args, **kwargs):
         raise AssertionError("the descendants were listed for an in-process engine")
 
     monkeypatch.setattr(psutil.Process, "children", listed)
+    if not mark_resets:  # where the kernel refuses the reset, the sampling thread runs: it must not list them either
+        monkeypatch.setattr(memory_module, "reset_peak", lambda: False)
     with PeakRss(interval_s=0.001) as memory:
         time.sleep(0.05)
     assert memory.own > 10 << 20  # at least the interpreter
