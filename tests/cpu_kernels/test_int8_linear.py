@@ -25,7 +25,7 @@ from cbrun.engine.backends.cpu.int8_linear import (
     int8_form,
 )
 from cbrun.engine.backends.cpu.kernel_abi import KernelError
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernel_loader import build_kernels, load_cpu_kernels
 from cbrun.engine.backends.cpu.method_selector import choose_linear_method
 from cbrun.engine.backends.cpu.self_check import Shape, check_method
 
@@ -102,6 +102,9 @@ def test_the_reference_sums_exactly_and_scales_with_one_fma(rows, inner, outputs
     product_scale = (sx[:, None] * scale[None, :]).double()  # fp32 products, rounded once
     model = (exact.double() * product_scale + bias.double()).float()
     assert torch.equal(_bits(y), _bits(model))
+    # a bf16 output is the fp32 one rounded once to nearest even (whole 16-lane pieces and the tail alike)
+    y_bf16 = i8.linear(x, packed, outputs, inner, "scalar", bias=bias, out_dtype=torch.bfloat16)
+    assert torch.equal(_bits(y_bf16), _bits(y.bfloat16()))
     no_bias = i8.linear(x, packed, outputs, inner, "scalar", out_dtype=torch.float32)
     assert torch.equal(_bits(no_bias), _bits(exact.float() * (sx[:, None] * scale[None, :])))
 
@@ -187,6 +190,29 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_crowd(variant):
     for first, count in [(0, 1), (5, 1), (3, 7), (9, 9), (0, 16), (17, 31), (100, 129), (299, 1)]:
         got = i8.linear(crowd[first : first + count], packed, 70, 640, variant, bias, out_dtype=torch.float32)
         assert torch.equal(_bits(got), _bits(everyone[first : first + count])), (first, count)
+
+
+def test_the_epilogue_gives_the_same_bits_with_the_fma_instruction_or_fmaf():
+    """The 16-lane epilogue's fma: _mm512_fmadd_ps where the build has AVX-512F, fmaf lane by lane elsewhere (an AVX2
+    CPU's build); a build forced to the fmaf form gives the same outputs in every mode and output dtype."""
+    try:
+        portable = build_kernels(("I8_PORTABLE_FMA",)).int8
+    except Exception as exc:  # no compiler, or a failed build
+        pytest.skip(f"cannot build the CPU kernels here: {exc}")
+    x, gate, bias = _problem(21, 576, 37, seed=11)
+    up = (torch.randn(37, 576, generator=torch.Generator().manual_seed(12)) / 24).bfloat16()
+    plain = _packed(*quantize_weight(gate))
+    gated = i8.packed(37, 576, gated=True)
+    i8.pack_into(gated, 576, *quantize_weight(gate), "gate")
+    i8.pack_into(gated, 576, *quantize_weight(up), "up")
+    calls = [(plain, bias, None, "plain", dtype) for dtype in (torch.float32, torch.bfloat16)] + [
+        (gated, bias, -bias, mode, dtype) for mode in ("silu", "raw") for dtype in (torch.float32, torch.bfloat16)
+    ]
+    for variant in ["scalar", *(v for v in ISA if i8.variant_runs(v))]:
+        for packed, b, up_bias, mode, dtype in calls:
+            want = i8.linear(x, packed, 37, 576, variant, b, up_bias, mode, dtype)
+            got = portable.linear(x, packed, 37, 576, variant, b, up_bias, mode, dtype)
+            assert torch.equal(_bits(got), _bits(want)), (variant, mode, dtype)
 
 
 # -- overflow ------------------------------------------------------------------------------------------

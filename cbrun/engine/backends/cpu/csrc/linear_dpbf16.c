@@ -380,20 +380,12 @@ typedef struct {
   int64_t ldy, N;
 } dp_target;
 
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-/* 16 fp32 lanes stored as bf16 (16 lanes of f32_to_bf16: round to nearest even, NaNs kept quiet). */
+/* 16 fp32 lanes into y at `at`: fp32, or bf16 (store16_bf16). */
 static inline void dp_store16(void* y, int64_t at, int y_bf16, v16f x) {
-  if (!y_bf16) {
+  if (y_bf16)
+    store16_bf16((uint16_t*)y + at, x);
+  else
     store16_f32((float*)y + at, x);
-    return;
-  }
-  const v16u u = (v16u)x;
-  const v16u rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
-  const v16u nan = (v16u)(x != x);
-  const v16u half = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
-  const v16h out = __builtin_convertvector(half, v16h);
-  memcpy((uint16_t*)y + at, &out, sizeof out);
 }
 
 /* Rows m.. of block b's sums: + bias, (gated: silu(gate) * up, 16 lanes at a time), stored. */

@@ -87,7 +87,7 @@ static inline int64_t i8_block_bytes(int64_t Kp) { return Kp * I8_BLOCK + I8_TAI
 
 /* ---- the variants: rows (<= I8_ROWS, Kp apart) against k quads q0 .. q1 - 1 of one block, continuing the
  * int32 sums in `out` (from zero where q0 = 0). The sums are raw: CB_I8_VNNI's still carry the +128 offset,
- * which i8_fixup takes back once, after the last step. ---------------------------------------------------- */
+ * which i8_emit takes back once, after the last step. ---------------------------------------------------- */
 
 static void i8_rows_scalar(const int8_t* xq, int64_t Kp, const int8_t* w, int rows, int64_t q0, int64_t q1,
                            i8_tile out) {
@@ -137,7 +137,7 @@ __attribute__((target("avx2"))) static void i8_rows_avx2(const int8_t* xq, int64
 }
 
 /* CB_I8_VNNI: 8 rows x 32 outputs a step in 16 zmm accumulators; per quad two 64-byte weight loads and one
- * broadcast load per row, 16 vpdpbusd. The rows come offset (qx ^ 0x80: qx + 128 as u8, i8_offset_row), so a
+ * broadcast load per row, 16 vpdpbusd. The rows come offset (qx ^ 0x80: qx + 128 as u8, i8_quantize_row), so a
  * quad's broadcast is a load alone; an xor and a broadcast from a general register per row would take the
  * vector ports vpdpbusd runs on (one in three of their slots). */
 #define I8_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -299,23 +299,6 @@ static inline i8_rows_fn i8_group_fn(i8_rows_fn rows_fn, i8_rows_fn small_fn, in
   return rows < I8_AMX_MIN_ROWS ? small_fn : rows_fn;
 }
 
-/* A quantized row as CB_I8_VNNI reads it: qx + 128 as u8 (qx ^ 0x80), the pad included (its weights are 0). */
-static void i8_offset_row(int8_t* row, int64_t Kp) {
-  for (int64_t k = 0; k < Kp; ++k) row[k] = (int8_t)((uint8_t)row[k] ^ 0x80u);
-}
-
-/* The raw sums of `rows` rows made true: CB_I8_VNNI's take back 128 * colsum (in uint32: modulo 2^32). */
-static void i8_fixup(i8_rows_fn fn, const int32_t* colsum, int rows, i8_tile acc) {
-#if I8_HAS_X86
-  if (fn != i8_rows_vnni) return;
-#else
-  (void)fn, (void)colsum, (void)rows, (void)acc;
-  return;
-#endif
-  for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < I8_BLOCK; ++j) acc[r][j] = (int32_t)((uint32_t)acc[r][j] - ((uint32_t)colsum[j] << 7));
-}
-
 /* ---- packing ------------------------------------------------------------------------------------------ */
 
 static inline int64_t i8_block_of(int64_t n, int role) { return role == CB_ROLE_PLAIN ? n / I8_BLOCK : n / (I8_BLOCK / 2); }
@@ -399,13 +382,16 @@ static inline int8_t i8_quantize_one(float value, float inv) {
   return (int8_t)(int32_t)rintf(v);
 }
 
+typedef int8_t v16c __attribute__((vector_size(16)));
+
 /* Row m of x (bf16 or fp32) into xq[m] (Kp int8, the pad zero) and sx[m], by the header's arithmetic, 16 lanes
  * at a time with a scalar tail. Each value goes through the same operations in both: the max of |x| (exact in
  * any order; a NaN is never taken, as `a > amax` is false for it), one product by 127 / amax, the clamp, and
  * round-half-to-even, which for |v| <= 127 is (v + 1.5 * 2^23) - 1.5 * 2^23 (exact while |v| < 2^22); the
- * clamp (a blend of bits) stands between the product and the add, so no FMA can fuse them. */
+ * clamp (a blend of bits) stands between the product and the add, so no FMA can fuse them. Every byte, the pad
+ * included, is stored xor `offset`: 0, or 0x80 for CB_I8_VNNI's u8 rows (qx + 128), so the row is written once. */
 static void i8_quantize_row(const void* x, int64_t ldx, int x_bf16, int64_t m, int64_t K, int64_t Kp, int8_t* xq,
-                            float* sx) {
+                            float* sx, uint8_t offset) {
   const int64_t row = m * ldx, body = K / 16 * 16;
   v16f wide = splat16(0.f);
   for (int64_t k = 0; k < body; k += 16) {
@@ -419,11 +405,13 @@ static void i8_quantize_row(const void* x, int64_t ldx, int x_bf16, int64_t m, i
     amax = a > amax ? a : amax;
   }
   int8_t* dst = xq + m * Kp;
-  memset(dst, 0, Kp);
   if (!(amax >= I8_SMALLEST && amax <= 3.40282347e38f)) { /* tiny, infinite or NaN: a zero row */
+    memset(dst, offset, Kp);
     sx[m] = 0.f;
     return;
   }
+  memset(dst + K, offset, Kp - K);
+  const v16c flip = (v16c){0} + (int8_t)offset;
   sx[m] = amax / 127.f;
   const float inv = 127.f / amax;
   const v16f magic = splat16(12582912.f), top = splat16(127.f), bottom = splat16(-127.f);
@@ -433,9 +421,10 @@ static void i8_quantize_row(const void* x, int64_t ldx, int x_bf16, int64_t m, i
     v = (v16f)(((v16i)top & over) | ((v16i)v & ~over));
     v = (v16f)(((v16i)bottom & under) | ((v16i)v & ~under));
     const v16i q = __builtin_convertvector((v + magic) - magic, v16i);
-    for (int j = 0; j < 16; ++j) dst[k + j] = (int8_t)q[j];
+    const v16c bytes = __builtin_convertvector(q, v16c) ^ flip; /* |q| <= 127: the narrowing is exact */
+    memcpy(dst + k, &bytes, sizeof bytes);
   }
-  for (int64_t k = body; k < K; ++k) dst[k] = i8_quantize_one(i8_read(x, x_bf16, row + k), inv);
+  for (int64_t k = body; k < K; ++k) dst[k] = (int8_t)(i8_quantize_one(i8_read(x, x_bf16, row + k), inv) ^ offset);
 }
 
 /* x [M, K] (rows ldx apart, bf16 or fp32) -> xq [M, Kp] int8 and sx [M]: what i8_linear does first. */
@@ -444,7 +433,7 @@ int i8_quantize_rows(const void* x, int64_t ldx, int x_bf16, int64_t M, int64_t 
   if (M < 0 || !i8_inner_fits(K) || ldx < K) return CB_BAD_ARGS;
   const int64_t Kp = i8_inner_padded(K);
   _Pragma("omp parallel for num_threads(threads) schedule(static)")
-  for (int64_t m = 0; m < M; ++m) i8_quantize_row(x, ldx, x_bf16, m, K, Kp, xq, sx);
+  for (int64_t m = 0; m < M; ++m) i8_quantize_row(x, ldx, x_bf16, m, K, Kp, xq, sx, 0);
   return 0;
 }
 
@@ -465,48 +454,78 @@ static inline void i8_store_row(void* y, int64_t at, int y_bf16, const float* va
     memcpy((float*)y + at, values, sizeof(float) * cols);
 }
 
-/* Rows m.. of block b's true sums, scaled (+ bias), gated or not, stored. */
-static void i8_emit(const i8_target* t, const int8_t* block, const float* sx, int64_t b, int64_t m, int rows,
-                    i8_tile acc) {
-  const float* sw = (const float*)(block + t->Kp * I8_BLOCK + I8_BLOCK * 4);
-  if (t->mode == CB_MODE_PLAIN || t->mode == CB_MODE_INT) {
-    const int64_t n0 = b * I8_BLOCK;
-    const int cols = t->N - n0 < I8_BLOCK ? (int)(t->N - n0) : I8_BLOCK;
-    float bias[I8_BLOCK] = {0}; /* the block's biases, 0 past N or without a bias: fmaf(acc, s, 0) as the header */
-    if (t->bias) memcpy(bias, t->bias + n0, sizeof(float) * cols);
-    for (int r = 0; r < rows; ++r) {
-      const int64_t at = (m + r) * t->ldy + n0;
-      if (t->mode == CB_MODE_INT) {
-        memcpy((int32_t*)t->y + at, acc[r], sizeof(int32_t) * cols);
-        continue;
-      }
-      float value[I8_BLOCK]; /* whole blocks, so that the loops run as vectors; only `cols` are stored */
-      for (int j = 0; j < I8_BLOCK; ++j) value[j] = fmaf((float)acc[r][j], sx[m + r] * sw[j], bias[j]);
-      i8_store_row(t->y, at, t->y_bf16, value, cols);
-    }
-    return;
+/* One fused multiply-add per lane (one rounding, as fmaf): the instruction where the build has AVX-512F, else
+ * fmaf lane by lane (-DI8_PORTABLE_FMA forces that form, which the tests compare with the instruction's). */
+static inline v16f i8_fma16(v16f a, v16f b, v16f c) {
+#if I8_HAS_X86 && defined(__AVX512F__) && !defined(I8_PORTABLE_FMA)
+  return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  v16f r;
+  for (int j = 0; j < 16; ++j) r[j] = fmaf(a[j], b[j], c[j]);
+  return r;
+#endif
+}
+
+/* 16 lanes into y at `at`, `cols` (<= 16) of them stored: fp32, or bf16 rounded once (store16_bf16: the same
+ * rounding as f32_to_bf16, lane by lane). */
+static inline void i8_store16(void* y, int64_t at, int y_bf16, v16f values, int cols) {
+  if (cols == 16 && y_bf16) {
+    store16_bf16((uint16_t*)y + at, values);
+  } else if (cols == 16) {
+    store16_f32((float*)y + at, values);
+  } else {
+    float lanes[16];
+    store16_f32(lanes, values);
+    i8_store_row(y, at, y_bf16, lanes, cols);
   }
-  const int half = I8_BLOCK / 2;
-  const int64_t n0 = b * half;
-  const int cols = t->N - n0 < half ? (int)(t->N - n0) : half;
-  float gate_bias[16] = {0}, up_bias[16] = {0};
-  if (t->bias) memcpy(gate_bias, t->bias + n0, sizeof(float) * cols);
-  if (t->up_bias) memcpy(up_bias, t->up_bias + n0, sizeof(float) * cols);
+}
+
+/* Rows m.. of block b: the raw sums made true (CB_I8_VNNI's less 128 * colsum, in uint32: modulo 2^32), scaled
+ * (+ bias), gated or not, stored, 16 lanes at a time. */
+static void i8_emit(const i8_target* t, const int8_t* block, const float* sx, int64_t b, int64_t m, int rows,
+                    i8_tile acc, int offset_sums) {
+  const int32_t* colsum = (const int32_t*)(block + t->Kp * I8_BLOCK);
+  const float* sw = (const float*)(colsum + I8_BLOCK);
+  v16u fix[2] = {{0}, {0}}; /* what the offset added to each output's sums */
+  if (offset_sums) {
+    memcpy(fix, colsum, sizeof fix);
+    fix[0] <<= 7, fix[1] <<= 7;
+  }
+  const v16f scale[2] = {load16_f32(sw), load16_f32(sw + 16)};
+  const int gated = t->mode == CB_MODE_SILU || t->mode == CB_MODE_RAW;
+  const int per_block = gated ? I8_BLOCK / 2 : I8_BLOCK;
+  const int64_t n0 = b * per_block;
+  const int cols = t->N - n0 < per_block ? (int)(t->N - n0) : per_block;
+  float bias[I8_BLOCK] = {0}; /* plain: the block's biases; gated: gate's, then up's; 0 past N or without one */
+  if (t->bias) memcpy(bias, t->bias + n0, sizeof(float) * cols);
+  if (gated && t->up_bias) memcpy(bias + I8_BLOCK / 2, t->up_bias + n0, sizeof(float) * cols);
+  const v16f shift[2] = {load16_f32(bias), load16_f32(bias + 16)};
   for (int r = 0; r < rows; ++r) {
-    float g[16], u[16]; /* lanes past cols: zero weights and scales, so 0; never stored */
-    for (int j = 0; j < half; ++j) {
-      g[j] = fmaf((float)acc[r][j], sx[m + r] * sw[j], gate_bias[j]);
-      u[j] = fmaf((float)acc[r][half + j], sx[m + r] * sw[half + j], up_bias[j]);
-    }
     const int64_t at = (m + r) * t->ldy + n0;
-    if (t->mode == CB_MODE_RAW) {
-      i8_store_row(t->y, at, t->y_bf16, g, cols);
-      i8_store_row(t->y, at + t->N, t->y_bf16, u, cols);
+    v16i sums[2];
+    for (int h = 0; h < 2; ++h) {
+      v16u raw;
+      memcpy(&raw, acc[r] + 16 * h, sizeof raw);
+      sums[h] = (v16i)(raw - fix[h]);
+    }
+    if (t->mode == CB_MODE_INT) {
+      memcpy(acc[r], sums, sizeof sums);
+      memcpy((int32_t*)t->y + at, acc[r], sizeof(int32_t) * cols);
       continue;
     }
-    float out[16];
-    store16_f32(out, load16_f32(g) / (splat16(1.f) + exp16(-load16_f32(g))) * load16_f32(u));
-    i8_store_row(t->y, at, t->y_bf16, out, cols);
+    const v16f row_scale = splat16(sx[m + r]);
+    v16f value[2]; /* fmaf((float)acc, sx * sw, bias): lanes past cols have zero weights and scales, so 0 */
+    for (int h = 0; h < 2; ++h)
+      value[h] = i8_fma16(__builtin_convertvector(sums[h], v16f), row_scale * scale[h], shift[h]);
+    if (!gated) {
+      i8_store16(t->y, at, t->y_bf16, value[0], cols < 16 ? cols : 16);
+      if (cols > 16) i8_store16(t->y, at + 16, t->y_bf16, value[1], cols - 16);
+    } else if (t->mode == CB_MODE_RAW) {
+      i8_store16(t->y, at, t->y_bf16, value[0], cols);
+      i8_store16(t->y, at + t->N, t->y_bf16, value[1], cols);
+    } else {
+      i8_store16(t->y, at, t->y_bf16, value[0] / (splat16(1.f) + exp16(-value[0])) * value[1], cols);
+    }
   }
 }
 
@@ -543,10 +562,9 @@ static int i8_linear_run(const void* x, int64_t ldx, int x_bf16, const int8_t* p
   _Pragma("omp parallel num_threads(threads)") {
     const int thread = omp_get_thread_num(), count = omp_get_num_threads();
     for (int64_t m = thread; m < padded_rows; m += count) {
-      if (m < M) {
-        i8_quantize_row(x, ldx, x_bf16, m, K, Kp, xq, sx);
-        if (i8_group_fn(rows_fn, small_fn, M, m) == I8_ROWS_VNNI) i8_offset_row(xq + m * Kp, Kp);
-      } else if (tiles_used)
+      if (m < M)
+        i8_quantize_row(x, ldx, x_bf16, m, K, Kp, xq, sx, i8_group_fn(rows_fn, small_fn, M, m) == I8_ROWS_VNNI ? 0x80 : 0);
+      else if (tiles_used)
         memset(xq + m * Kp, 0, Kp); /* pad rows: read by the AMX tiles, never stored */
     }
 #if I8_HAS_AMX
@@ -563,7 +581,6 @@ static int i8_linear_run(const void* x, int64_t ldx, int x_bf16, const int8_t* p
       _Pragma("omp for schedule(static)")
       for (int64_t b = 0; b < blocks; ++b) {
         const int8_t* w = packed + b * bytes;
-        const int32_t* colsum = (const int32_t*)(w + Kp * I8_BLOCK);
         for (int64_t q0 = 0; q0 < quads; q0 += step) { /* this step's weights stay in L1 for every row group */
           const int64_t q1 = q0 + step < quads ? q0 + step : quads;
           for (int64_t m = m0; m < m1; m += I8_ROWS) {
@@ -572,8 +589,7 @@ static int i8_linear_run(const void* x, int64_t ldx, int x_bf16, const int8_t* p
             const i8_rows_fn fn = i8_group_fn(rows_fn, small_fn, M, m); /* the same for every step */
             fn(xq + m * Kp, Kp, w, rows, q0, q1, *tile);
             if (q1 == quads) {
-              i8_fixup(fn, colsum, rows, *tile);
-              i8_emit(&target, w, sx, b, m, rows, *tile);
+              i8_emit(&target, w, sx, b, m, rows, *tile, fn == I8_ROWS_VNNI);
             }
           }
         }

@@ -122,6 +122,18 @@ static inline v16f load16_bf16(const uint16_t* p) {
 
 static inline void store16_f32(float* p, v16f x) { *(v16f_mem*)p = x; }
 
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* 16 fp32 lanes as bf16, each lane f32_to_bf16's: round to nearest even, NaNs kept quiet. */
+static inline void store16_bf16(uint16_t* p, v16f x) {
+  const v16u u = (v16u)x;
+  const v16u rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
+  const v16u nan = (v16u)(x != x);
+  const v16u half = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
+  const v16h out = __builtin_convertvector(half, v16h);
+  memcpy(p, &out, sizeof out);
+}
+
 DEFINE_MAX_MIN(vmax16, vmin16, v16f, v16i)
 DEFINE_EXP(exp16, v16f, v16i, splat16, vmax16, vmin16) /* exp(x) for 16 lanes, the same bits per lane as exp8 */
 
