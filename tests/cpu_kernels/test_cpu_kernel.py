@@ -72,6 +72,29 @@ def test_kernel_long_contexts_cross_pages_and_segments(dtype, tol, heads, kv_hea
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_query_rows_in_place_from_the_fused_qkv_columns(dtype):
+    """q as the step makes it, [R, H, D] heads of one row side by side but rows (H + 2 H_kv) D apart (a view of
+    q|k|v), is read in place and gives the bits of a contiguous copy; a layout it cannot read is copied first."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, page, blocks = 6, 2, 64, 16, 30
+    k_pool = torch.randn(kv_heads, blocks, page, dim).to(dtype)
+    v_pool = torch.randn(kv_heads, blocks, page, dim).to(dtype)
+    kv_len = torch.tensor([5, 40, 130])
+    tables = torch.randperm(blocks)[:27].view(3, 9)
+    zeros = torch.zeros(3, dtype=torch.long)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim).to(dtype)  # [R, (H + 2 H_kv) D]
+    view = qkv.view(3, heads + 2 * kv_heads, dim)[:, :heads]  # [R, H, D] rows (H + 2 H_kv) D apart
+    assert view.stride(0) == (heads + 2 * kv_heads) * dim and not view.is_contiguous()
+    want = _attend_decodes(view.contiguous(), k_pool, v_pool, tables, kv_len, zeros, zeros, 0.125)
+    got = _attend_decodes(view, k_pool, v_pool, tables, kv_len, zeros, zeros, 0.125)
+    assert torch.equal(got, want) and got.is_contiguous()
+    by_head = torch.randn(heads, 3, dim).to(dtype)  # [H, R, D]: heads R * D apart, which the kernel cannot read
+    want = _attend_decodes(by_head.transpose(0, 1).contiguous(), k_pool, v_pool, tables, kv_len, zeros, zeros, 0.125)
+    got = _attend_decodes(by_head.transpose(0, 1), k_pool, v_pool, tables, kv_len, zeros, zeros, 0.125)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_index_copy(dtype):
     torch.manual_seed(2)
     kv_heads, blocks, page, dim, tokens = 3, 10, 16, 64, 37

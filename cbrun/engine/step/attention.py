@@ -55,11 +55,15 @@ def paged_attention(
     backend.write_kv(k_pool, v_pool, key[0], value[0], layout.write_slots)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     num_heads, num_tokens, head_dim = query.shape[1:]
-    out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
     if batch.num_rows:
         q = query[0, :, : batch.num_rows]  # [H, R, D]
         assert layout.rows is not None  # row-attended tokens have their layout
-        out[: batch.num_rows] = backend.attend_rows(q, k_pool, v_pool, layout.rows, scale, softcap)  # [R, H, D]
+        attended = backend.attend_rows(q, k_pool, v_pool, layout.rows, scale, softcap)  # [R, H, D]
+        if batch.num_rows == num_tokens:  # every token a row (the kernels' layout): no copy
+            return attended.unsqueeze(0), None
+    out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
+    if batch.num_rows:
+        out[: batch.num_rows] = attended
     for seq in layout.prefills:
         out[seq.start : seq.end] = torch_attention.prefill(query, key, value, k_pool, v_pool, seq, scale, softcap)
     return out.unsqueeze(0), None

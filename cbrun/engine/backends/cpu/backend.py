@@ -61,7 +61,7 @@ class CpuAttention:
     ) -> torch.Tensor:
         """Query rows [H, R, D] over their own keys, read in place -> [R, H, D]."""
         return self.kernels.attend(
-            query.transpose(0, 1).contiguous(),
+            query.transpose(0, 1),  # [R, H, D] rows apart as the step's q|k|v columns lie: read in place
             k_pool,
             v_pool,
             rows,

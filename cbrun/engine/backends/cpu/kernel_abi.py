@@ -109,6 +109,7 @@ class AttendParams(ctypes.Structure):
         ("NB", _I64),
         ("P", _I64),
         ("tasks", _I64),
+        ("ldq", _I64),
         ("scale", _F32),
         ("variant", _I32),
         ("threads", _I32),

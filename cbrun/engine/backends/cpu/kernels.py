@@ -99,9 +99,10 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Attention of every query row over its own keys, read in place from the page pools.
 
-        q [R, H, D] contiguous; pools [H_kv, NB, P, D] contiguous, q's dtype; `paged`'s tables [S, max_pages],
-        row_seq [R], first_page [S], kv_len [R], kv_lo [R] and the task triple (rows [R], start [T + 1], shared
-        keys [T]) int64 (see attention.c). Returns out [R, H, D].
+        q [R, H, D] with heads D apart and unit stride, its rows any distance apart (a view of the step's fused
+        q|k|v columns needs no copy; other layouts are copied); pools [H_kv, NB, P, D] contiguous, q's dtype;
+        `paged`'s tables [S, max_pages], row_seq [R], first_page [S], kv_len [R], kv_lo [R] and the task triple
+        (rows [R], start [T + 1], shared keys [T]) int64 (see attention.c). Returns out [R, H, D] (contiguous).
         """
         tables, row_seq, first_page, kv_len, kv_lo = (
             paged.tables,
@@ -112,19 +113,21 @@ class CpuKernels:
         )
         rows, heads, dim = q.shape
         num_kv, num_blocks, page, _ = k_pool.shape
+        if q.stride(2) != 1 or q.stride(1) != dim or q.stride(0) < heads * dim:
+            q = q.contiguous()
         if (
             q.dtype not in self.attend_functions
             or k_pool.dtype != q.dtype
             or v_pool.dtype != q.dtype
-            or not (q.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous())
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous())
             or v_pool.shape != k_pool.shape
         ):
-            raise KernelError("attend: q and the pools must be contiguous and of one supported dtype")
+            raise KernelError("attend: the pools must be contiguous, and q and the pools of one supported dtype")
         longs = (tables, row_seq, first_page, kv_len, kv_lo, *tasks)
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in longs):
             raise KernelError("attend: index tensors must be contiguous int64")
         task_rows, task_start, task_shared = tasks
-        out = torch.empty_like(q)
+        out = q.new_empty(rows, heads, dim)
         pair_dots = q.dtype == torch.bfloat16 and dim % 32 == 0  # bf16 scores as vdpbf16ps computes them
         function = self._lib.paged_attend_bf16dp if pair_dots else self.attend_functions[q.dtype]
         params = AttendParams(
@@ -149,6 +152,7 @@ class CpuKernels:
             NB=num_blocks,
             P=page,
             tasks=task_shared.numel(),
+            ldq=q.stride(0),
             scale=scale,
             variant=VARIANTS["dp"][self.attend_dp_variant] if pair_dots else 0,
             threads=threads(),

@@ -4,7 +4,7 @@
  * continued chunks over a cached prefix) is a row with its own key range,
  * attended in place in the page pool (no gather copy).
  *
- *   q          [R, H, D]            query of each row
+ *   q          [R, H, D]            query of each row, rows ldq apart (heads D apart, unit stride)
  *   k, v       [H_kv, NB, P, D]     one layer's key and value pages
  *   tables     [S, max_pages] int64 block ids of each sequence; page i holds positions (first_page + i) * P ...
  *   row_seq    [R] int64            the sequence (table) of each row
@@ -747,7 +747,8 @@ static char* task_scratch(size_t bytes) {
 #define DEFINE_TASK(SUFFIX, T, LOADV, STORE, ATTR)                                                        \
   ATTR static int attend_task_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,             \
                                   int64_t max_pages, const int64_t* row_seq, const int64_t* first_page,  \
-                                  const int64_t* kv_len, const int64_t* kv_lo, T* out, int64_t H,         \
+                                  const int64_t* kv_len, const int64_t* kv_lo, T* out, int64_t ldq,       \
+                                  int64_t H,                                                             \
                                   int64_t G, int64_t D, int64_t P, float scale, const int64_t* rows,      \
                                   int64_t count, int64_t shared, int64_t h) {                             \
     const int64_t C = D / 8;                                                                             \
@@ -765,7 +766,7 @@ static char* task_scratch(size_t bytes) {
     row_state* states = (row_state*)(room + vector_bytes + stat_bytes);                                  \
     float* shared_scores = shared ? (float*)(room + vector_bytes + stat_bytes + state_bytes) : 0;        \
     for (int64_t i = 0; i < count; ++i) {                                                                \
-      const T* qr = q + (rows[i] * H + h * G) * D;                                                       \
+      const T* qr = q + rows[i] * ldq + h * G * D;                                                       \
       v8f* qf = vectors + i * W;                                                                         \
       for (int64_t c = 0; c < G * C; ++c) {                                                              \
         qf[c] = LOADV(qr + c * 8) * splat(scale);                                                        \
@@ -787,7 +788,7 @@ static char* task_scratch(size_t bytes) {
       states[i] = (row_state){vectors + i * W, vectors + i * W + G * C, (v16f*)(void*)(vectors + i * W + 2 * G * C), \
                               stats + 2 * i * G,                                                         \
                               stats + (2 * i + 1) * G,                                                   \
-                              (const uint16_t*)(const void*)(q + (rows[i] * H + h * G) * D), scale};     \
+                              (const uint16_t*)(const void*)(q + rows[i] * ldq + h * G * D), scale};     \
     for (int64_t start = 0; start < shared; start += SEG) {                                              \
       if (start + SEG < shared && scattered(tables + lead * max_pages, 0, start + SEG, shared, P))       \
         prefetch_chunk(k, v, tables + lead * max_pages, 0, start + SEG, shared, P, D * (int64_t)sizeof(T)); \
@@ -827,12 +828,13 @@ static char* task_scratch(size_t bytes) {
     const int64_t *kv_len = a->kv_len, *kv_lo = a->kv_lo;                                                \
     const int64_t *task_rows = a->task_rows, *task_start = a->task_start, *task_shared = a->task_shared; \
     const int64_t max_pages = a->max_pages, R = a->R, S = a->S, H = a->H, D = a->D, Hkv = a->Hkv;         \
-    const int64_t NB = a->NB, P = a->P, tasks = a->tasks;                                                \
+    const int64_t NB = a->NB, P = a->P, tasks = a->tasks, ldq = a->ldq;                                  \
     const float scale = a->scale;                                                                        \
     const int variant = a->variant, threads = a->threads;                                                \
     (void)variant;                                                                                       \
     if (REFUSE) return CB_BAD_ARGS;                                                                      \
     if (Hkv < 1 || H % Hkv || H / Hkv > MAX_G || (H / Hkv) * D > MAX_GD || D % 8 || P < 1 || tasks < 1   \
+        || ldq < H * D                                                                                    \
         || !valid_tasks(tables, max_pages, row_seq, first_page, kv_len, kv_lo, R, S, NB, P, task_rows,    \
                         task_start, task_shared, tasks))                                                 \
       return CB_BAD_ARGS;                                                                                \
@@ -866,11 +868,11 @@ DEFINE_TASK(dp_isa, uint16_t, load_bf16, store_bf16, __attribute__((target("avx5
 /* One task for one kv head through FN, with the head size a constant where it is 64 or 128 (so the compiler
  * keeps the accumulators in registers). */
 #define CALL_TASK(FN)                                                                                      \
-  (D == 64    ? FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, H, G, 64, P, scale, rows, \
+  (D == 64    ? FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, ldq, H, G, 64, P, scale, rows, \
                    count, task_shared[t], h)                                                              \
-   : D == 128 ? FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, H, G, 128, P, scale,      \
+   : D == 128 ? FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, ldq, H, G, 128, P, scale,      \
                    rows, count, task_shared[t], h)                                                        \
-              : FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, H, G, D, P, scale, rows,  \
+              : FN(q, kh, vh, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, ldq, H, G, D, P, scale, rows,  \
                    count, task_shared[t], h))
 DEFINE_ENTRY(paged_attend_f32, float, 0, status = CALL_TASK(attend_task_f32);)
 DEFINE_ENTRY(paged_attend_bf16, uint16_t, 0, status = CALL_TASK(attend_task_bf16);)

@@ -37,7 +37,7 @@
 
 /* ---- paged attention (attention.c: paged_attend_f32, paged_attend_bf16, paged_attend_bf16dp) -------------- */
 typedef struct {
-  const void* q;               /* [R, H, D] */
+  const void* q;               /* [R, H, D] rows ldq apart (heads D apart, unit stride) */
   const void* k;               /* [Hkv, NB, P, D] */
   const void* v;               /* [Hkv, NB, P, D] */
   const int64_t* tables;       /* [S, max_pages] */
@@ -49,7 +49,7 @@ typedef struct {
   const int64_t* task_rows;    /* [R] */
   const int64_t* task_start;   /* [tasks + 1] */
   const int64_t* task_shared;  /* [tasks] */
-  int64_t max_pages, R, S, H, D, Hkv, NB, P, tasks;
+  int64_t max_pages, R, S, H, D, Hkv, NB, P, tasks, ldq;
   float scale;
   int32_t variant; /* paged_attend_bf16dp: CB_DP_* (the others ignore it) */
   int32_t threads;
