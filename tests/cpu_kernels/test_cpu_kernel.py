@@ -88,6 +88,11 @@ def test_kernel_reads_query_rows_in_place_from_the_fused_qkv_columns(dtype):
     want = _attend_decodes(view.contiguous(), k_pool, v_pool, tables, kv_len, zeros, zeros, 0.125)
     got = _attend_decodes(view, k_pool, v_pool, tables, kv_len, zeros, zeros, 0.125)
     assert torch.equal(got, want) and got.is_contiguous()
+    one = torch.randn(heads, 1, dim).to(dtype).transpose(0, 1)  # [1, H, D], "contiguous" with a row stride of D
+    assert one.is_contiguous() and one.stride(0) < heads * dim
+    first = (tables[:1], kv_len[:1], zeros[:1], zeros[:1], 0.125)
+    want = _attend_decodes(view[:1].contiguous(), k_pool, v_pool, *first)
+    assert torch.equal(_attend_decodes(one.copy_(view[:1]), k_pool, v_pool, *first), want)
     by_head = torch.randn(heads, 3, dim).to(dtype)  # [H, R, D]: heads R * D apart, which the kernel cannot read
     want = _attend_decodes(by_head.transpose(0, 1).contiguous(), k_pool, v_pool, tables, kv_len, zeros, zeros, 0.125)
     got = _attend_decodes(by_head.transpose(0, 1), k_pool, v_pool, tables, kv_len, zeros, zeros, 0.125)

@@ -329,6 +329,16 @@ def unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
+def head_rows(q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """q [R, H, D] as attention reads it, heads D apart with unit stride and rows ldq >= H * D apart, and ldq: q
+    itself where it lies so (a view of a step's q|k|v columns), else a copy. A size-1 dim's stride is arbitrary in
+    torch (a one-row q may report any row stride), so it is neither trusted nor passed on."""
+    rows, heads, dim = q.shape
+    in_place = q.stride(2) == 1 and (heads == 1 or q.stride(1) == dim) and (rows < 2 or q.stride(0) >= heads * dim)
+    q = q if in_place else q.contiguous()
+    return q, q.stride(0) if rows > 1 else heads * dim
+
+
 def threads() -> int:
     """The threads a call runs on: torch's intra-op count."""
     return torch.get_num_threads()

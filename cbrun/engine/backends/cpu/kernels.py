@@ -45,6 +45,7 @@ from cbrun.engine.backends.cpu.kernel_abi import (
     RmsnormParams,
     SampleParams,
     check,
+    head_rows,
     is_bf16,
     optional_ptr,
     pointers,
@@ -100,9 +101,9 @@ class CpuKernels:
         """Attention of every query row over its own keys, read in place from the page pools.
 
         q [R, H, D] with heads D apart and unit stride, its rows any distance apart (a view of the step's fused
-        q|k|v columns needs no copy; other layouts are copied); pools [H_kv, NB, P, D] contiguous, q's dtype;
-        `paged`'s tables [S, max_pages], row_seq [R], first_page [S], kv_len [R], kv_lo [R] and the task triple
-        (rows [R], start [T + 1], shared keys [T]) int64 (see attention.c). Returns out [R, H, D] (contiguous).
+        q|k|v columns needs no copy: head_rows); pools [H_kv, NB, P, D] contiguous, q's dtype; `paged`'s tables
+        [S, max_pages], row_seq [R], first_page [S], kv_len [R], kv_lo [R] and the task triple (rows [R], start
+        [T + 1], shared keys [T]) int64 (see attention.c). Returns out [R, H, D] (contiguous).
         """
         tables, row_seq, first_page, kv_len, kv_lo = (
             paged.tables,
@@ -113,8 +114,7 @@ class CpuKernels:
         )
         rows, heads, dim = q.shape
         num_kv, num_blocks, page, _ = k_pool.shape
-        if q.stride(2) != 1 or q.stride(1) != dim or q.stride(0) < heads * dim:
-            q = q.contiguous()
+        q, ldq = head_rows(q)  # [R, H, D], rows ldq apart
         if (
             q.dtype not in self.attend_functions
             or k_pool.dtype != q.dtype
@@ -152,7 +152,7 @@ class CpuKernels:
             NB=num_blocks,
             P=page,
             tasks=task_shared.numel(),
-            ldq=q.stride(0),
+            ldq=ldq,
             scale=scale,
             variant=VARIANTS["dp"][self.attend_dp_variant] if pair_dots else 0,
             threads=threads(),

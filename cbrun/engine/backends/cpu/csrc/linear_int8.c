@@ -17,8 +17,8 @@
  * variant that sums them:
  *   CB_I8_SCALAR  plain C int32 loops: the reference the others must equal.
  *   CB_I8_AVX2    vpmaddwd on int16-widened operands (exact: pair sums <= 2 * 127 * 128).
- *   CB_I8_VNNI    AVX512-VNNI vpdpbusd: u8 x s8 with x offset by +128 (qx ^ 0x80, written into the row once
- *              after its quantization, where VNNI sums it), the offset's products
+ *   CB_I8_VNNI    AVX512-VNNI vpdpbusd: u8 x s8 with x offset by +128 (qx ^ 0x80, stored so by the row's
+ *              quantization where VNNI sums it), the offset's products
  *              taken back exactly with each output's weight sum (colsum * 128, modulo 2^32: the wrapped
  *              intermediate is exact once the true sum fits in int32).
  *   CB_I8_AMX     AMX-INT8 tdpbssd (s8 x s8 in 16 x 16 int32 tiles), after asking Linux for the tile state;
