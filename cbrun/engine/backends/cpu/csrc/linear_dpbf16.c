@@ -380,14 +380,6 @@ typedef struct {
   int64_t ldy, N;
 } dp_target;
 
-/* 16 fp32 lanes into y at `at`: fp32, or bf16 (store16_bf16). */
-static inline void dp_store16(void* y, int64_t at, int y_bf16, v16f x) {
-  if (y_bf16)
-    store16_bf16((uint16_t*)y + at, x);
-  else
-    store16_f32((float*)y + at, x);
-}
-
 /* Rows m.. of block b's sums: + bias, (gated: silu(gate) * up, 16 lanes at a time), stored. */
 static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile acc) {
   if (!t->gated) {
@@ -397,7 +389,8 @@ static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile 
       for (int r = 0; r < rows; ++r)
         for (int h = 0; h < DP_BLOCK; h += 16) {
           const v16f sums = load16_f32(acc[r] + h);
-          dp_store16(t->y, (m + r) * t->ldy + n0 + h, t->y_bf16, t->bias ? sums + load16_f32(t->bias + n0 + h) : sums);
+          store16_output(t->y, (m + r) * t->ldy + n0 + h, t->y_bf16,
+                         t->bias ? sums + load16_f32(t->bias + n0 + h) : sums);
         }
       return;
     }
@@ -426,7 +419,7 @@ static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile 
     const v16f g = load16_f32(acc[r]) + load16_f32(bg), u = load16_f32(acc[r] + half) + load16_f32(bu);
     const v16f out = g / (splat16(1.f) + exp16(-g)) * u;
     if (cols == half) {
-      dp_store16(t->y, (m + r) * t->ldy + n0, t->y_bf16, out);
+      store16_output(t->y, (m + r) * t->ldy + n0, t->y_bf16, out);
       continue;
     }
     for (int j = 0; j < cols; ++j) dp_store(t->y, (m + r) * t->ldy + n0 + j, t->y_bf16, out[j]);

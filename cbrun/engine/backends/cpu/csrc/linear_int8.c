@@ -469,10 +469,8 @@ static inline v16f i8_fma16(v16f a, v16f b, v16f c) {
 /* 16 lanes into y at `at`, `cols` (<= 16) of them stored: fp32, or bf16 rounded once (store16_bf16: the same
  * rounding as f32_to_bf16, lane by lane). */
 static inline void i8_store16(void* y, int64_t at, int y_bf16, v16f values, int cols) {
-  if (cols == 16 && y_bf16) {
-    store16_bf16((uint16_t*)y + at, values);
-  } else if (cols == 16) {
-    store16_f32((float*)y + at, values);
+  if (cols == 16) {
+    store16_output(y, at, y_bf16, values);
   } else {
     float lanes[16];
     store16_f32(lanes, values);
@@ -509,8 +507,7 @@ static void i8_emit(const i8_target* t, const int8_t* block, const float* sx, in
       sums[h] = (v16i)(raw - fix[h]);
     }
     if (t->mode == CB_MODE_INT) {
-      memcpy(acc[r], sums, sizeof sums);
-      memcpy((int32_t*)t->y + at, acc[r], sizeof(int32_t) * cols);
+      memcpy((int32_t*)t->y + at, sums, sizeof(int32_t) * cols);
       continue;
     }
     const v16f row_scale = splat16(sx[m + r]);

@@ -134,6 +134,14 @@ static inline void store16_bf16(uint16_t* p, v16f x) {
   memcpy(p, &out, sizeof out);
 }
 
+/* 16 fp32 lanes into y (fp32, or bf16 when y_bf16) at element `at`: the linears' output rows. */
+static inline void store16_output(void* y, int64_t at, int y_bf16, v16f x) {
+  if (y_bf16)
+    store16_bf16((uint16_t*)y + at, x);
+  else
+    store16_f32((float*)y + at, x);
+}
+
 DEFINE_MAX_MIN(vmax16, vmin16, v16f, v16i)
 DEFINE_EXP(exp16, v16f, v16i, splat16, vmax16, vmin16) /* exp(x) for 16 lanes, the same bits per lane as exp8 */
 
