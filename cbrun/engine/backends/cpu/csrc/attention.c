@@ -39,7 +39,8 @@
  * for all heads, in blocks of 3 heads x 32 dims that load every value vector once
  * (3 heads x 64 dims, 16 lanes, with AVX-512; bf16 values then 32 dims per load, value_pairs16). Runs of
  * adjacent pages are left to the hardware prefetcher; a segment on pages that
- * jump is prefetched one ahead.
+ * jump is prefetched one ahead; each run's values are prefetched into L2 while
+ * its keys are scored.
  *
  * paged_attend_bf16dp: the bf16 kernel with scores on vdpbf16ps's pair arithmetic (the
  * instruction, or its portable twin, or the plain-C reference: one set of bits).
@@ -611,8 +612,10 @@ typedef struct {
       const int64_t cnt = run_keys(table, first, pos, start + n, P);                                     \
       const T* keys = k + pool_row(table, first, pos, P) * D;                                            \
       const char* piece_values = (const char*)(v + pool_row(table, first, pos, P) * D);                  \
-      for (int64_t byte = 0; byte < cnt * D * (int64_t)sizeof(T); byte += 64) /* summed after the softmax */ \
-        __builtin_prefetch(piece_values + byte);                                                         \
+      /* the run's values, summed after the softmax, into L2 (not L1: the score pass streams the run's keys \
+         through L1 meanwhile, and evicted values prefetched there before they were read) */               \
+      for (int64_t byte = 0; byte < cnt * D * (int64_t)sizeof(T); byte += 64)                            \
+        __builtin_prefetch(piece_values + byte, 0, 2);                                                   \
       for (int64_t i = 0; i < count; ++i) {                                                              \
         float* s = scores + i * G * SEG + (pos - start);                                                 \
         if (PAIRS##_WIDE) { /* heads in pairs, 16 lanes */                                               \
