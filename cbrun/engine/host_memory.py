@@ -7,7 +7,10 @@ step frees and allocates the same sizes again and again: each decoder layer's ML
 tens of MB for a long prefill chunk), the head's logits. Raising the mmap and trim thresholds once keeps
 those blocks in the heap to be reused, as tcmalloc or jemalloc would (what vLLM's CPU guide has users
 preload). What the heap keeps is bounded by the step's own peak, and `give_back_memory` (sleep, close)
-still returns every free page: malloc_trim ignores the thresholds.
+still returns every free page: malloc_trim ignores the thresholds. torch asks for 64-byte-aligned blocks,
+which glibc serves with a little slack, so a freed block fits the next request of its size only when its
+neighbours are free too: the first few steps may still grow the heap, after which it settles and every
+step reuses its blocks.
 """
 
 from __future__ import annotations
