@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt"
 )
 
-# Minor page faults of each of ROUNDS fills of a 64 MB tensor, each freed before the next. torch asks for
+# Minor page faults of each of _ROUNDS fills of a 64 MB tensor, each freed before the next. torch asks for
 # 64-byte-aligned memory, which glibc serves with a little slack, so a freed block fits the next request of
 # its size only when nothing small was allocated right after it; otherwise the heap grows once more and the
 # fill faults afresh (measured: up to 4 such rounds after the first, then none). The last rounds are the
