@@ -192,6 +192,29 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_crowd(variant):
         assert torch.equal(_bits(got), _bits(everyone[first : first + count])), (first, count)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_quantize_to_the_same_bytes_with_the_conversion_instruction_or_the_portable_form(dtype):
+    """Where the build has AVX-512F the row quantization converts with vcvtps2dq and no clamp (which changes no
+    value: |x| <= amax); a build forced to the portable form (clamp, then round by adding and subtracting 1.5 *
+    2^23) gives the same bytes and scales: ties, the row's extremes, NaNs among finite values, tails past 16."""
+    try:
+        portable = build_kernels(("I8_PORTABLE_QUANTIZE",)).int8
+    except Exception as exc:  # no compiler, or a failed build
+        pytest.skip(f"cannot build the CPU kernels here: {exc}")
+    x, _, _ = _problem(40, 1000, 1, seed=21, dtype=dtype)
+    x[1, :8] = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5, 126.5, -126.5, -127.0]).to(dtype)  # inv = 1: exact ties
+    x[1, 8:] = 0.0
+    x[2, ::7] = float("nan")  # never the max; each NaN becomes byte 0
+    x[3] = 0.0
+    x[4, 5] = -x[4].abs().max() * 3  # a negative extreme
+    x[5] = torch.randn(1000).to(dtype) * 1e-20  # small, still above 2^-100
+    for rows in (x, x[:, :997]):  # a tail of 5 values past the 16-lane body (and an unaligned row stride)
+        want_q, want_scale = i8.quantize_rows(rows)
+        got_q, got_scale = portable.quantize_rows(rows)
+        assert torch.equal(got_q, want_q) and torch.equal(_bits(got_scale), _bits(want_scale))
+    assert i8.quantize_rows(x)[0][1, :8].tolist() == [127, 0, 0, 2, -2, 126, -126, -127]
+
+
 def test_the_epilogue_gives_the_same_bits_with_the_fma_instruction_or_fmaf():
     """The 16-lane epilogue's fma: _mm512_fmadd_ps where the build has AVX-512F, fmaf lane by lane elsewhere (an AVX2
     CPU's build); a build forced to the fmaf form gives the same outputs in every mode and output dtype."""
