@@ -178,3 +178,36 @@ def test_an_avx2_builds_twin_gives_this_builds_bits(tmp_path):
     native = attention_through(kernels.attend_dp_variant)
     for got, expected in zip(torch.load(out), native, strict=True):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dim", [64, 48])  # 64: the pair-dot variants; 48 (not a multiple of 32): the bf16 chains
+def test_each_output_is_rounded_once_to_the_nearest_bf16_ties_to_even(dim):
+    """Two equal keys weigh 1/2 each, so every output is exactly the mean of two values, which is an fp32 value
+    halfway between two bf16 values for an odd step: the kernel's output store must round it to even, lane by
+    lane, as torch's conversion does (a truncating or half-up store fails here)."""
+    torch.manual_seed(dim)
+    heads, page = 3, 16
+    first = torch.randn(dim).bfloat16()
+    steps = (torch.arange(dim) % 3 + 1).to(torch.int16)  # 1 or 3 ulps apart: ties; 2: an exact bf16 mean
+    second = (first.view(torch.int16) + steps).view(torch.bfloat16)
+    mean = (first.float() + second.float()) / 2  # exact in fp32
+    expected = mean.bfloat16()
+    ties = mean != expected.float()
+    assert ties.sum() >= dim // 2 and (expected.float().abs() < mean.abs()).any()  # ties rounded down too
+    key = torch.randn(dim).bfloat16()
+    k_pool = torch.zeros(1, 1, page, dim, dtype=torch.bfloat16)
+    v_pool = torch.zeros(1, 1, page, dim, dtype=torch.bfloat16)
+    k_pool[0, 0, :2] = key
+    v_pool[0, 0, 0], v_pool[0, 0, 1] = first, second
+    tables, zero, rows = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.arange(1)
+    tasks = plan_tasks([SequenceRows(0, 1, 1, [0], 0)], page, kernels.segment, windowed=False)
+    paged = PagedRows(tables, rows, zero, torch.tensor([2]), zero)
+    args = (torch.randn(1, heads, dim).bfloat16(), k_pool, v_pool, paged)
+    variants = [v for v in ("scalar", "twin", "isa") if kernels.dp_attention_runs(v)] if dim % 32 == 0 else ["bf16"]
+    try:
+        for variant in variants:
+            kernels.attend_dp_variant = variant if dim % 32 == 0 else kernels.attend_dp_variant
+            out = kernels.attend(*args, tasks, dim**-0.5)  # [1, heads, dim]
+            assert torch.equal(out[0].view(torch.int16), expected.expand(heads, dim).view(torch.int16)), variant
+    finally:
+        kernels.attend_dp_variant = choose_attention_dp_variant(kernels)

@@ -747,8 +747,9 @@ static char* task_scratch(size_t bytes) {
 
 /* One task for one kv head: its rows attend the shared keys [0, shared) together, a segment at a time
  * for a block of rows (each page piece read once per block), then each row its own keys
- * [max(lo, shared), hi). Every row goes through the same segments and arithmetic as it would alone. */
-#define DEFINE_TASK(SUFFIX, T, LOADV, STORE, ATTR)                                                        \
+ * [max(lo, shared), hi). Every row goes through the same segments and arithmetic as it would alone. QF: whether
+ * the scores read the scaled fp32 query (qf, and its head pairs); the pair-dot scores read the bf16 query as it lies. */
+#define DEFINE_TASK(SUFFIX, T, LOADV, STORE, ATTR, QF)                                                     \
   ATTR static int attend_task_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,             \
                                   int64_t max_pages, const int64_t* row_seq, const int64_t* first_page,  \
                                   const int64_t* kv_len, const int64_t* kv_lo, T* out, int64_t ldq,       \
@@ -773,10 +774,10 @@ static char* task_scratch(size_t bytes) {
       const T* qr = q + rows[i] * ldq + h * G * D;                                                       \
       v8f* qf = vectors + i * W;                                                                         \
       for (int64_t c = 0; c < G * C; ++c) {                                                              \
-        qf[c] = LOADV(qr + c * 8) * splat(scale);                                                        \
+        if (QF) qf[c] = LOADV(qr + c * 8) * splat(scale); /* pair-dot scores read the bf16 query instead */ \
         qf[G * C + c] = splat(0.f);                                                                      \
       }                                                                                                  \
-      if (ATTN_WIDE) /* the heads in pairs for score_pairs_* (the last one beside zeros where G is odd) */ \
+      if (QF && ATTN_WIDE) /* the heads in pairs for score_pairs_* (the last one beside zeros where G is odd) */ \
         for (int64_t g = 0; g < G; g += 2)                                                               \
           for (int64_t c = 0; c < C; ++c) {                                                              \
             const v8f lower = qf[g * C + c], upper = g + 1 < G ? qf[(g + 1) * C + c] : splat(0.f);       \
@@ -861,12 +862,12 @@ static char* task_scratch(size_t bytes) {
     return failed ? CB_NO_MEMORY : CB_OK;                                                                \
   }
 
-DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR)
-DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16, NO_ATTR)
-DEFINE_TASK(dp_scalar, uint16_t, load_bf16, store_bf16, NO_ATTR)
-DEFINE_TASK(dp_twin, uint16_t, load_bf16, store_bf16, NO_ATTR)
+DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR, 1)
+DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16, NO_ATTR, 1)
+DEFINE_TASK(dp_scalar, uint16_t, load_bf16, store_bf16, NO_ATTR, 0)
+DEFINE_TASK(dp_twin, uint16_t, load_bf16, store_bf16, NO_ATTR, 0)
 #if DP_HAS_ISA_SOURCE
-DEFINE_TASK(dp_isa, uint16_t, load_bf16, store_bf16, __attribute__((target("avx512f,avx512bf16"))))
+DEFINE_TASK(dp_isa, uint16_t, load_bf16, store_bf16, __attribute__((target("avx512f,avx512bf16"))), 0)
 #endif
 
 /* One task for one kv head through FN, with the head size a constant where it is 64 or 128 (so the compiler
