@@ -87,18 +87,21 @@ static inline uint16_t f32_to_bf16(float f) {
   return (uint16_t)((c.u + rounding) >> 16);
 }
 
-typedef uint16_t v8h __attribute__((vector_size(16)));
+/* fp32 lanes as bf16, each lane f32_to_bf16's (round to nearest even, NaNs kept quiet), in vector operations: one
+ * text for every width (V: the float vector, U: its uint32 twin, H: the uint16 vector of as many lanes). A scalar
+ * loop, with its NaN branch per lane, was a fifth of a short attention row's time. */
+#define DEFINE_STORE_BF16(NAME, V, U, H)                                  \
+  static inline void NAME(uint16_t* p, V x) {                             \
+    const U u = (U)x;                                                     \
+    const U rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;           \
+    const U nan = (U)(x != x);                                            \
+    const U half = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);        \
+    const H out = __builtin_convertvector(half, H);                       \
+    memcpy(p, &out, sizeof out);                                          \
+  }
 
-/* 8 fp32 lanes as bf16, each lane f32_to_bf16's (round to nearest even, NaNs kept quiet) in vector operations:
- * the scalar loop, with its NaN branch per lane, was a fifth of a short attention row's time. */
-static inline void store_bf16(uint16_t* p, v8f x) {
-  const v8u u = (v8u)x;
-  const v8u rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
-  const v8u nan = (v8u)(x != x);
-  const v8u half = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
-  const v8h out = __builtin_convertvector(half, v8h);
-  memcpy(p, &out, sizeof out);
-}
+typedef uint16_t v8h __attribute__((vector_size(16)));
+DEFINE_STORE_BF16(store_bf16, v8f, v8u, v8h) /* 8 lanes: attention's output rows */
 
 /* Load a vector once into a register for several uses: left alone, compilers fold
  * the load into every FMA, which doubles the loads and makes the loop load-bound. */
@@ -132,16 +135,7 @@ static inline v16f load16_bf16(const uint16_t* p) {
 static inline void store16_f32(float* p, v16f x) { *(v16f_mem*)p = x; }
 
 typedef uint16_t v16h __attribute__((vector_size(32)));
-
-/* 16 fp32 lanes as bf16, each lane f32_to_bf16's: round to nearest even, NaNs kept quiet. */
-static inline void store16_bf16(uint16_t* p, v16f x) {
-  const v16u u = (v16u)x;
-  const v16u rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
-  const v16u nan = (v16u)(x != x);
-  const v16u half = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
-  const v16h out = __builtin_convertvector(half, v16h);
-  memcpy(p, &out, sizeof out);
-}
+DEFINE_STORE_BF16(store16_bf16, v16f, v16u, v16h) /* 16 lanes: the linears' output rows */
 
 /* 16 fp32 lanes into y (fp32, or bf16 when y_bf16) at element `at`: the linears' output rows. */
 static inline void store16_output(void* y, int64_t at, int y_bf16, v16f x) {
