@@ -419,6 +419,16 @@ def test_the_table_names_each_engines_dtype_and_cbruns_linear_kernels(tiny_llama
     assert entry["details"]["linear_kernels"].startswith("bfloat16 dpbf16-")
 
 
+def test_the_table_names_int8_w8a8_as_cbruns_dtype_under_quantization(tiny_llama_dir, tmp_path, invoke, no_gemm_probe):
+    out_json = tmp_path / "bench.json"
+    args = ["--model", str(tiny_llama_dir), "--engine", "cbrun", "--dtype", "bfloat16", "--quantization", "int8"]
+    result = invoke([*args, "--output-json", str(out_json), *SMALL])
+    assert result.exit_code == 0, result.output
+    entry = json.loads(out_json.read_text())["results"][0]
+    assert entry["dtype"] == "int8 W8A8" and _row_dtype(result.stdout, "cbrun") == "int8 W8A8"
+    assert "int8 W8A8 (every linear but the head)" in result.stdout
+
+
 def test_plot_draws_the_engines_side_by_side(tiny_llama_dir, tmp_path, invoke, no_gemm_probe):
     pytest.importorskip("matplotlib")
     for name in ("bench.png", "bench.svg"):

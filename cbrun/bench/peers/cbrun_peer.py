@@ -47,6 +47,8 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
         engine.destroy(give_back_weights=ctx.model_needed_later)
     result.details["stats"] = stats_delta(before, after)
     result.details["engine_config"] = _config_dict(ctx.engine_config)
+    if getattr(ctx.engine_config, "quantization", None) == "int8":  # the table's dtype column: what the linears ran in
+        result.dtype = "int8 W8A8"
     return result
 
 
