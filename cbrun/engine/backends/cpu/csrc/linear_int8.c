@@ -390,8 +390,8 @@ typedef int8_t v16c __attribute__((vector_size(16)));
  * round-half-to-even, which for |v| <= 127 is (v + 1.5 * 2^23) - 1.5 * 2^23 (exact while |v| < 2^22); the
  * clamp (a blend of bits) stands between the product and the add, so no FMA can fuse them. (With AVX-512F the
  * body rounds by vcvtps2dq instead and leaves out the clamp, which changes no value there: the same bytes, see
- * the loop.) Every byte, the pad
- * included, is stored xor `offset`: 0, or 0x80 for CB_I8_VNNI's u8 rows (qx + 128), so the row is written once. */
+ * the loop.) Every byte, the pad included, is stored xor `offset`: 0, or 0x80 for CB_I8_VNNI's u8 rows
+ * (qx + 128), so the row is written once. */
 static void i8_quantize_row(const void* x, int64_t ldx, int x_bf16, int64_t m, int64_t K, int64_t Kp, int8_t* xq,
                             float* sx, uint8_t offset) {
   const int64_t row = m * ldx, body = K / 16 * 16;
