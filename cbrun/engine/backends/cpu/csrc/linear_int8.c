@@ -67,14 +67,8 @@
 #else
 #define I8_HAS_X86 0
 #endif
-#if I8_HAS_X86 && defined(__linux__) && defined(__x86_64__)
-#define I8_HAS_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define I8_HAS_AMX 0
-#endif
+#include "amx_state.h"
+#define I8_HAS_AMX CB_HAS_AMX_SOURCE
 
 typedef int32_t i8_tile[I8_ROWS][I8_BLOCK];
 
@@ -238,15 +232,6 @@ I8_AMX_TARGET static void i8_rows_amx(const int8_t* xq, int64_t Kp, const int8_t
 
 I8_AMX_TARGET static void i8_amx_release(void) { _tile_release(); }
 
-/* Linux hands a process the AMX tile state only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM). */
-static int i8_amx_permitted(void) {
-  static int permitted = -1;
-  if (permitted < 0) {
-    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }
-  return permitted;
-}
 #endif
 
 int i8_variant_runs(int variant) {
@@ -259,14 +244,7 @@ int i8_variant_runs(int variant) {
            __builtin_cpu_supports("avx512vnni");
 #endif
 #if I8_HAS_AMX
-  if (variant == CB_I8_AMX) {
-    static int runs = -1; /* asked once: CPUID traps to the hypervisor in a VM, which costs a call's time */
-    if (runs < 0) {
-      unsigned a, b, c, d; /* CPUID leaf 7: EDX bit 24 AMX-TILE, bit 25 AMX-INT8 */
-      runs = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) && i8_amx_permitted();
-    }
-    return runs;
-  }
+  if (variant == CB_I8_AMX) return cb_amx_runs(CB_AMX_INT8);
 #endif
   return 0;
 }
