@@ -60,7 +60,8 @@ class EngineConfig:
         can run), "cpu", "triton" or "torch" (the reference).
     kernels: which linear methods the CPU backend may choose at load
         (cpu/method_selector.py): "portable" (the same bits on every CPU:
-        vdpbf16ps or its exact twin for bf16) or "fastest" (also methods
+        for bf16, AMX's tile order on the tiles, on vdpbf16ps or on vector
+        FMAs, the fastest that passes here) or "fastest" (also methods
         whose bits are this CPU's own, such as oneDNN on fixed blocks, when
         a timed trial shows them faster; still batch-invariant).
     quantization: None (the default: the model's own dtype) or "int8": W8A8

@@ -28,10 +28,11 @@ def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """Map a dtype name to a torch dtype; 'auto' picks the fastest exact-enough one for `device`.
 
     On CPU 'auto' is bfloat16 where the CPU has bf16 dot products (AVX512-BF16
-    or AMX: Zen 4 and later, Sapphire Rapids and later) and cbrun's vdpbf16ps
-    kernel passes its self-check here: there bf16 runs several times faster
-    than fp32, and its bits are the same on every CPU (a CPU without the
-    instruction computes them with an exact twin, slowly). Elsewhere it is
+    or AMX: Zen 4 and later, Sapphire Rapids and later) and cbrun's kernel for
+    them (the AMX tiles, or vdpbf16ps) passes its self-check here: there bf16
+    runs several times faster than fp32, and its bits are the same on every CPU
+    (AMX's tile order; a CPU without either computes them with vector FMAs,
+    more slowly). Elsewhere it is
     float32, the fastest arithmetic such a CPU has.
     """
     if isinstance(name, torch.dtype):

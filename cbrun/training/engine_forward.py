@@ -1,8 +1,8 @@
 """The engine's forward on a trainer's model: each token's logprob with the rollout's bits.
 
 `score` gives bitwise the logprobs `generate` recorded, because both take
-one path: the CPU backend's layer methods (f32, or the dpbf16 pair chain
-through its ISA variant or portable twin), the fused decoder layers (norms,
+one path: the CPU backend's layer methods (f32, or bf16 in AMX's tile order
+on whichever method serves: tiles, vdpbf16ps or vector FMAs), the fused decoder layers (norms,
 rotary and the residual stream in fp32), the compiled paged attention, the
 head projected to fp32 logits and the sampler's normalizer. Every one of
 them gives a row the same bits whatever else is in the call. So a trainer

@@ -3,7 +3,7 @@
 dp_linear (bf16 pairs) and linear_rows/gated_silu (fp32 chains) take K in steps whose length depends on K
 alone, carrying each output's fp32 sum from one step to the next. The references are builds with one step for
 any K (-DDP_K_PAIRS=1048576 -DLIN_K_STEP=1073741824: each chain written in one loop); for bf16 its plain-C
-variant, itself checked against the instruction model of test_linear_methods. Every variant of the default
+variant, itself checked against the AMX-order model of test_linear_methods. Every variant of the default
 (blocked) build must give their bits at real sizes.
 """
 
@@ -21,10 +21,16 @@ VARIANTS = [
     "scalar",
     "twin",
     pytest.param("isa", marks=pytest.mark.skipif(not HAS_ISA, reason="this CPU lacks AVX512-BF16")),
+    pytest.param(
+        "amx",
+        marks=pytest.mark.skipif(
+            kernels is None or not kernels.dp.variant_runs("amx"), reason="this CPU (or process) has no AMX-BF16"
+        ),
+    ),
 ]
 # 0.5B-8B models' hidden and MLP widths (the widest in the slow tier: the scalar reference takes seconds there)
 INNER = (896, 1536, 2048, *(pytest.param(k, marks=pytest.mark.slow) for k in (4864, 8960, 14336)))
-ROWS = (1, 2, 7, 8, 9, 31, 64, 129, 130, 300)  # row groups of 8, chunks of >= 128 rows
+ROWS = (1, 2, 7, 8, 9, 16, 17, 31, 64, 129, 130, 300)  # row groups of 16 (6 and 8 per pass), chunks of >= 128 rows
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +45,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
-def test_the_unblocked_reference_is_the_instruction_model(unblocked):
-    from test_linear_methods import _instruction_model
+def test_the_unblocked_reference_is_the_amx_order_model(unblocked):
+    from test_linear_methods import _amx_order_model
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 1536, generator=gen).to(torch.bfloat16)
     w = torch.randn(40, 1536, generator=gen).to(torch.bfloat16)
     got = unblocked.dp.linear(x, unblocked.dp.pack(w), 40, 1536, "scalar", out_dtype=torch.float32)
-    assert torch.equal(_bits(got), _bits(_instruction_model(x, w)))
+    assert torch.equal(_bits(got), _bits(_amx_order_model(x, w)))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

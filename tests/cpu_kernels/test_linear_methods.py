@@ -1,14 +1,14 @@
-"""The bf16 pair-dot linear methods and the self-check that guards every linear method at load.
+"""The bf16 linear methods (AMX's tdpbf16ps order) and the self-check that guards every linear method at load.
 
-linear_dpbf16.c computes each output as AVX512-BF16's vdpbf16ps would: a chain
-over k-pairs, per pair t = fma(x[2p+1], w[2p+1], acc), acc = fma(x[2p], w[2p], t),
-denormal inputs read as zero and denormal results flushed. Three variants must
-give the same bits: the instruction itself (only where the CPU has it), its
-portable twin (vector FMAs under the CPU's flush modes) and the plain-C
-reference; and the reference must equal an independent model of the
-instruction written here in torch float64 (exact for bf16 products, see
-`_instruction_model`). The self-check must reject a method that is not
-batch-invariant and let the next one serve.
+linear_dpbf16.c computes each output as AMX's tdpbf16ps does (tile_order.h):
+K in 16-pair blocks, per block an even and an odd fma chain from +0, then
+C = C + (E + O), denormal inputs read as zero and tiny results flushed. Four
+variants must give the same bits: the tiles (only where the CPU has AMX-BF16),
+re-paired vdpbf16ps (AVX512-BF16), portable vector FMAs under the CPU's flush
+modes, and the plain-C reference; and the reference must equal an independent
+model of the order written here in torch float64 (`_amx_order_model`). The
+self-check must reject a method that is not batch-invariant and let the next
+one serve.
 """
 
 from __future__ import annotations
@@ -23,14 +23,20 @@ import torch
 
 from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
 from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
-from cbrun.engine.backends.cpu.linear_methods import DP_ISA, DP_SCALAR, DP_TWIN, F32, LinearMethod
+from cbrun.engine.backends.cpu.linear_methods import DP_AMX, DP_ISA, DP_SCALAR, DP_TWIN, F32, LinearMethod
 from cbrun.engine.backends.cpu.method_selector import choose_linear_method
 from cbrun.engine.backends.cpu.self_check import Shape, check_method
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the compiled CPU kernels cannot be built here")
 HAS_ISA = kernels is not None and kernels.dp.variant_runs("isa")
-VARIANTS = ["twin", pytest.param("isa", marks=pytest.mark.skipif(not HAS_ISA, reason="this CPU lacks AVX512-BF16"))]
+HAS_AMX = kernels is not None and kernels.dp.variant_runs("amx")
+VARIANTS = [
+    "twin",
+    pytest.param("isa", marks=pytest.mark.skipif(not HAS_ISA, reason="this CPU lacks AVX512-BF16")),
+    pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX, reason="this CPU (or process) has no AMX-BF16 tiles")),
+]
+METHOD = {"twin": DP_TWIN, "isa": DP_ISA, "amx": DP_AMX}
 SHAPES = [(1, 64, 32), (5, 33, 37), (9, 576, 64), (17, 100, 1), (40, 1536, 45)]  # (M, K, N): odd K, edge blocks
 
 
@@ -44,30 +50,44 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(nan, b.isnan()) and torch.equal(_bits(a)[~nan], _bits(b)[~nan])
 
 
-def _instruction_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """vdpbf16ps's chain in torch: bf16 x [M, K], w [N, K] -> fp32 [M, N].
+def _round_ftz(s: torch.Tensor) -> torch.Tensor:
+    """float64 values rounded once to fp32, then flushed to a signed zero where the rounded value (24 bits, an
+    unbounded exponent) is below 2^-126: x86's FTZ, tininess after rounding. Values below 2^-100 are rounded
+    scaled by 2^64, in the normal range, and scaled back (exactly, unless flushed)."""
+    tiny = s.abs() < 2.0**-100
+    r = torch.where(tiny, (s * 2.0**64).float().double(), s.float().double())
+    flushed = tiny & (r.abs() < 2.0**-62)
+    r = torch.where(tiny, r * 2.0**-64, r)
+    return torch.where(flushed, torch.copysign(torch.zeros_like(r), r), r)
 
-    fma(a, b, c) for bf16 a, b and fp32 c is computed in float64 and rounded
-    once to fp32: a * b is exact in float64 (16 significant bits), and where the
-    float64 sum is inexact the smaller term is below 2^-29 of the larger, which
-    lies on the fp32 grid, so the second rounding cannot cross an fp32 midpoint.
+
+def _amx_order_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """tdpbf16ps's order in torch: bf16 x [M, K], w [N, K] -> fp32 [M, N].
+
+    K padded with zeros to whole 32-element blocks; per block, an even and an
+    odd chain from +0 (fma per element pair, ascending), then C = C + (E + O),
+    from C = +0; denormal inputs read as zero, every result flushed. fma(a, b,
+    c) for bf16 a, b and fp32 c is computed in float64 and rounded once: a * b
+    is exact in float64 (16 significant bits), and where the float64 sum is
+    inexact the smaller term is below 2^-29 of the larger, which lies on the
+    fp32 grid, so the second rounding cannot cross an fp32 midpoint.
     """
 
     def read(t):  # denormal inputs read as zero (bf16 shares fp32's exponent range)
         t = t.double()
-        return torch.where(t.abs() < 2.0**-126, torch.zeros_like(t) * torch.sign(t), t)
-
-    def flush(t):
         return torch.where(t.abs() < 2.0**-126, torch.copysign(torch.zeros_like(t), t), t)
 
-    if x.shape[1] % 2:
-        x, w = torch.nn.functional.pad(x, (0, 1)), torch.nn.functional.pad(w, (0, 1))
-    xs, ws = read(x), read(w)
-    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
-    for p in range(x.shape[1] // 2):
-        t = flush((xs[:, 2 * p + 1, None] * ws[None, :, 2 * p + 1] + acc.double()).float())
-        acc = flush((xs[:, 2 * p, None] * ws[None, :, 2 * p] + t.double()).float())
-    return acc
+    padded = -(-x.shape[1] // 32) * 32
+    xs = read(torch.nn.functional.pad(x, (0, padded - x.shape[1])))
+    ws = read(torch.nn.functional.pad(w, (0, padded - w.shape[1])))
+    c = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for start in range(0, padded, 32):
+        even, odd = torch.zeros_like(c), torch.zeros_like(c)
+        for k in range(start, start + 32, 2):
+            even = _round_ftz(xs[:, k, None] * ws[None, :, k] + even)
+            odd = _round_ftz(xs[:, k + 1, None] * ws[None, :, k + 1] + odd)
+        c = _round_ftz(c + _round_ftz(even + odd))
+    return c.float()
 
 
 def _random_bits(shape, generator) -> torch.Tensor:
@@ -78,7 +98,7 @@ def _random_bits(shape, generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows,inner,outputs", SHAPES)
-def test_the_plain_c_reference_is_the_instruction_model(rows, inner, outputs):
+def test_the_plain_c_reference_is_the_amx_order_model(rows, inner, outputs):
     generator = torch.Generator().manual_seed(inner)
     for x, w in [
         (
@@ -91,20 +111,20 @@ def test_the_plain_c_reference_is_the_instruction_model(rows, inner, outputs):
         ),
     ]:
         got = DP_SCALAR.make(kernels, [w], [None])(x, torch.float32)
-        assert _same_bits(got, _instruction_model(x, w))
+        assert _same_bits(got, _amx_order_model(x, w))
 
 
-def test_random_bit_patterns_follow_the_instruction_model():
+def test_random_bit_patterns_follow_the_amx_order_model():
     generator = torch.Generator().manual_seed(3)
     x, w = _random_bits((7, 64), generator), _random_bits((40, 64), generator)
-    assert _same_bits(DP_SCALAR.make(kernels, [w], [None])(x, torch.float32), _instruction_model(x, w))
+    assert _same_bits(DP_SCALAR.make(kernels, [w], [None])(x, torch.float32), _amx_order_model(x, w))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows,inner,outputs", SHAPES)
 def test_each_variant_gives_the_reference_bits(variant, rows, inner, outputs):
     generator = torch.Generator().manual_seed(rows * 7 + inner)
-    method = {"twin": DP_TWIN, "isa": DP_ISA}[variant]
+    method = METHOD[variant]
     w = torch.randn(outputs, inner, generator=generator).bfloat16()
     bias = torch.randn(outputs, generator=generator).bfloat16()
     cases = [
@@ -124,7 +144,7 @@ def test_each_variant_gives_the_reference_bits(variant, rows, inner, outputs):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_row_gets_the_same_bits_alone_and_in_any_crowd(variant):
-    method = {"twin": DP_TWIN, "isa": DP_ISA}[variant]
+    method = METHOD[variant]
     generator = torch.Generator().manual_seed(11)
     w = torch.randn(70, 576, generator=generator).bfloat16()
     layer = method.make(kernels, [w], [None])
@@ -205,10 +225,14 @@ def test_self_check_results_are_cached_per_build_and_reused(tmp_path, monkeypatc
     assert (tmp_path / "kernels" / "self_check.json").exists()
 
 
-def test_the_portable_policy_picks_the_instruction_where_the_cpu_has_it(tmp_path, monkeypatch):
+def test_the_portable_policy_races_the_methods_of_the_one_order_that_run_here(tmp_path, monkeypatch):
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path))
     choice = choose_linear_method(kernels, torch.bfloat16, [Shape(40, 96)], "portable")
-    assert choice.method is (DP_ISA if HAS_ISA else DP_TWIN)
+    raced = [m for m in (DP_AMX, DP_ISA, DP_TWIN) if m.runs_on(kernels)]
+    assert choice.method in raced
+    if len(raced) > 1:  # a timed trial among the methods of the one order that run here picked the fastest
+        assert len(choice.checks) == len(raced) and all(c.trial_ms > 0 for c in choice.checks if c.passed)
+    assert kernels.dp.variant_runs("amx") == ({"amx_bf16", "amx_tile"} <= set(cpu_flags().split()))
     assert choose_linear_method(kernels, torch.float32, [Shape(40, 96)], "portable").method is F32
     assert kernels.dp.variant_runs("isa") == bool({"avx512_bf16"} & set(cpu_flags().split()))
 
@@ -250,3 +274,44 @@ def test_every_kernel_source_compiles_without_warnings_for_every_x86_target(marc
         if "unrecognized" in result.stderr or "bad value" in result.stderr:
             pytest.skip(f"this gcc does not know -march={march}")
         assert result.returncode == 0, f"{source.name}: {result.stderr}"
+
+
+def _near_underflow(shape, generator) -> torch.Tensor:
+    """bf16 values whose products and sums cross the flush threshold: magnitudes 2^-70 .. 2^-56 (products near
+    2^-126), both signs, some exact zeros of both signs."""
+    exponent = torch.randint(-70, -55, shape, generator=generator).double()
+    sign = torch.randint(0, 2, shape, generator=generator).double() * 2 - 1
+    mantissa = 1 + torch.randint(0, 128, shape, generator=generator).double() / 128
+    values = (sign * mantissa * 2.0**exponent).to(torch.bfloat16)
+    zeros = torch.rand(shape, generator=generator) < 0.1
+    return torch.where(zeros, torch.copysign(torch.zeros_like(values), values), values)
+
+
+@pytest.mark.parametrize("variant", ["scalar", *VARIANTS])
+def test_every_tail_of_1_to_15_pairs_follows_the_model(variant):
+    """K = 32 b + 2 t (and odd K) for every tail of t = 1 .. 15 pairs: the padded block's zero pairs are computed
+    as the tiles compute them (a -0 chain becomes +0), near-underflow values and signed zeros included."""
+    method = {"scalar": DP_SCALAR, **METHOD}[variant]
+    generator = torch.Generator().manual_seed(15)
+    for tail in range(1, 16):
+        for inner in (32 + 2 * tail, 64 + 2 * tail - 1):
+            x, w = _near_underflow((3, inner), generator), _near_underflow((20, inner), generator)
+            x[0] = -0.0  # a row of negative zeros: every chain -0 until the padding
+            assert _same_bits(method.make(kernels, [w], [None])(x, torch.float32), _amx_order_model(x, w)), inner
+            typical = torch.randn(5, inner, generator=generator).bfloat16()
+            got = method.make(kernels, [w * 2.0**60], [None])(typical, torch.float32)
+            assert _same_bits(got, _amx_order_model(typical, w * 2.0**60)), inner
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("inner", [64, 100, 4864, pytest.param(14336, marks=pytest.mark.slow)])
+def test_each_variant_equals_the_reference_at_model_widths_and_many_rows(variant, inner):
+    """K up to an 8B model's MLP width (chained blocks, K steps), M from 1 to 300 (row groups, chunks)."""
+    generator = torch.Generator().manual_seed(inner)
+    w = (torch.randn(48, inner, generator=generator) / inner**0.5).bfloat16()
+    x = torch.randn(300, inner, generator=generator).bfloat16()
+    x[7] = _near_underflow((inner,), generator)
+    reference = DP_SCALAR.make(kernels, [w], [None])(x, torch.float32)
+    layer = METHOD[variant].make(kernels, [w], [None])
+    for rows in (1, 5, 16, 17, 300):
+        assert _same_bits(layer(x[:rows], torch.float32), reference[:rows]), rows

@@ -34,6 +34,7 @@ class DpVariant(IntEnum):
     SCALAR = 0  # plain C: the reference
     TWIN = 1  # portable vectors under the CPU's flush modes
     ISA = 2  # vdpbf16ps (AVX512-BF16)
+    AMX = 3  # tdpbf16ps (AMX-BF16): the linears only
 
 
 class I8Variant(IntEnum):
@@ -75,7 +76,7 @@ class AbiStruct(IntEnum):
 
 # The one variant table: each family of ISA variants by name, fastest last (kernel_loader.py scores them at load).
 VARIANTS: dict[str, dict[str, int]] = {
-    "dp": {"scalar": DpVariant.SCALAR, "twin": DpVariant.TWIN, "isa": DpVariant.ISA},
+    "dp": {"scalar": DpVariant.SCALAR, "twin": DpVariant.TWIN, "isa": DpVariant.ISA, "amx": DpVariant.AMX},
     "int8": {"scalar": I8Variant.SCALAR, "avx2": I8Variant.AVX2, "vnni": I8Variant.VNNI, "amx": I8Variant.AMX},
 }
 ROLES: dict[str, int] = {"plain": Role.PLAIN, "gate": Role.GATE, "up": Role.UP}
@@ -262,6 +263,8 @@ SIGNATURES = {
     "dp_unpack_weight": (_INT, [_P, _I64, _INT, _I64, _P, _I64, _P, _I64, _INT]),
     "dp_linear": _LINEAR,
     "dp_block_outputs": (_INT, []),
+    "dp_inner_padded": (_I64, [_I64]),
+    "dp_scratch_bytes": (_I64, [_I64, _I64]),
     # linear_int8.c
     "i8_variant_runs": (_INT, [_INT]),
     "i8_inner_fits": (_INT, [_I64]),

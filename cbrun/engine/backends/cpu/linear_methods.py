@@ -8,10 +8,17 @@ packed once, that computes the layer for any number of rows in one order.
 
   method        weights  arithmetic                                         same bits on every CPU
   f32           fp32     linear.c: one fp32 FMA chain over k                yes
-  dpbf16-isa    bf16     linear_dpbf16.c: vdpbf16ps pair chain (AVX512-BF16) yes
-  dpbf16-twin   bf16     the same chain in portable vectors, flush modes set yes (slower)
-  dpbf16-scalar bf16     the same chain in plain C (the reference)           yes (slowest)
+  dpbf16-amx    bf16     linear_dpbf16.c: AMX's tdpbf16ps order, on tiles   yes
+  dpbf16-isa    bf16     the same order on re-paired vdpbf16ps (AVX512-BF16) yes
+  dpbf16-twin   bf16     the same order in portable vector FMAs (AVX-512F,   yes
+                         AVX2), flush modes set
+  dpbf16-scalar bf16     the same order in plain C (tile_order.h: the        yes (slowest)
+                         reference)
   onednn-b64    bf16     oneDNN's packed bf16 GEMM on fixed 64-row blocks    no: this CPU's own (opt-in)
+
+The bf16 order is the one AMX computes natively (16-pair blocks of K, an even
+and an odd chain each, C + (E + O)), so an AMX CPU runs its tiles at full speed
+and every other CPU computes the same bits with vector instructions.
 
 Batch invariance for oneDNN comes from never letting it see the batch: every
 call is one block of 64 rows (the last zero-padded), so its blocking over K
@@ -134,11 +141,12 @@ class LinearMethod:
 
 
 F32 = LinearMethod("f32", torch.float32, True, "linear")
+DP_AMX = LinearMethod("dpbf16-amx", torch.bfloat16, True, "dp", "amx")
 DP_ISA = LinearMethod("dpbf16-isa", torch.bfloat16, True, "dp", "isa")
 DP_TWIN = LinearMethod("dpbf16-twin", torch.bfloat16, True, "dp", "twin")
 DP_SCALAR = LinearMethod("dpbf16-scalar", torch.bfloat16, True, "dp", "scalar")
 ONEDNN_B64 = LinearMethod("onednn-b64", torch.bfloat16, False, "onednn")
-METHODS = {m.name: m for m in (F32, DP_ISA, DP_TWIN, DP_SCALAR, ONEDNN_B64)}
+METHODS = {m.name: m for m in (F32, DP_AMX, DP_ISA, DP_TWIN, DP_SCALAR, ONEDNN_B64)}
 
 
 class MemberForward:
@@ -210,7 +218,8 @@ def _read_in_place(own: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 
 class _PairDotLinear:
-    """linear_dpbf16.c: bf16 weights packed once into pair-interleaved blocks; one variant's kernel.
+    """linear_dpbf16.c: bf16 weights packed once into pair-interleaved blocks (AMX's B-tile layout); one variant's
+    kernel.
 
     The packed matrix is the only copy of the weights: each member is packed
     straight from its tensor into its own output lanes, and read back out of
@@ -248,7 +257,7 @@ class _PairDotLinear:
         start, width = self.starts[index], self.widths[index]
         block = self.dp.block_outputs
         if not self.gated and start % block == 0:  # its own blocks: computed alone, the same chains
-            per_block = (self.inner + self.inner % 2) * block
+            per_block = self.dp.padded_inner(self.inner) * block
             bias = self.bias[start : start + width] if self.bias is not None else None
             out = self.dp.linear(
                 rows,

@@ -26,17 +26,21 @@ import torch
 
 from cbrun.engine.backends.cpu.int8_linear import INT8_AMX, INT8_AVX2, INT8_SCALAR, INT8_VNNI
 from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear_methods import DP_ISA, DP_SCALAR, DP_TWIN, F32, ONEDNN_B64, LinearMethod
+from cbrun.engine.backends.cpu.linear_methods import DP_AMX, DP_ISA, DP_SCALAR, DP_TWIN, F32, ONEDNN_B64, LinearMethod
 from cbrun.engine.backends.cpu.self_check import CheckResult, Shape, check_method
 from cbrun.engine.config import KERNEL_POLICIES
 
 log = logging.getLogger("cbrun.engine")
 
+# The bf16 methods of one order that may serve one CPU (an AMX CPU runs all three): where more than one runs here,
+# each is checked and timed at the model's shapes and the fastest serves, whatever the policy (the same bits).
+_RACED_BF16 = (DP_AMX, DP_ISA, DP_TWIN)
+
 _CANDIDATES: dict[tuple[str, torch.dtype], list[LinearMethod]] = {
     ("portable", torch.float32): [F32],
-    ("portable", torch.bfloat16): [DP_ISA, DP_TWIN, DP_SCALAR],
+    ("portable", torch.bfloat16): [DP_AMX, DP_ISA, DP_TWIN, DP_SCALAR],
     ("fastest", torch.float32): [F32],
-    ("fastest", torch.bfloat16): [DP_ISA, ONEDNN_B64, DP_TWIN, DP_SCALAR],
+    ("fastest", torch.bfloat16): [DP_AMX, DP_ISA, ONEDNN_B64, DP_TWIN, DP_SCALAR],
     ("portable", torch.int8): [INT8_AMX, INT8_VNNI, INT8_AVX2, INT8_SCALAR],  # W8A8, from fp32 or bf16 weights
     ("fastest", torch.int8): [INT8_AMX, INT8_VNNI, INT8_AVX2, INT8_SCALAR],
 }
@@ -78,14 +82,17 @@ def choose_linear_method(
     policy: str = "portable",
     candidates: list[LinearMethod] | None = None,
 ) -> MethodChoice:
-    """The first candidate that passes its self-check at `shapes` ("fastest": the quickest of the
-    passing machine-local and ISA methods, by a timed trial), or a choice with no method."""
+    """The first candidate that passes its self-check at `shapes`, or a choice with no method. A timed trial
+    picks the quickest passing one among the methods of bf16's one order that run here (AMX tiles, vdpbf16ps,
+    vector FMAs), and under "fastest" among every passing method but the plain-C references."""
     if policy not in KERNEL_POLICIES:
         raise ValueError(f"unknown kernel policy {policy!r} (choose from {', '.join(KERNEL_POLICIES)})")
     candidates = candidates if candidates is not None else _CANDIDATES.get((policy, dtype), [])
     choice = MethodChoice(dtype, None)
     timed = policy == "fastest"
-    racing = [m for m in candidates if timed and m not in (DP_TWIN, DP_SCALAR, INT8_SCALAR)]
+    racing = [m for m in candidates if timed and m not in (DP_SCALAR, INT8_SCALAR)]
+    if not timed and len(same_order := [m for m in candidates if m in _RACED_BF16 and m.runs_on(kernels)]) > 1:
+        racing, timed = same_order, True
     for method in racing:  # "fastest": every fast candidate runs its check and trial
         choice.checks.append(check_method(kernels, method, shapes, timed=True, cache_key=kernels.build_name))
     passed = [(c.trial_ms, m) for c, m in zip(choice.checks, racing) if c.passed]
@@ -111,7 +118,7 @@ _READY_SHAPES = [Shape(64, 576), Shape(40, 1536)]  # a probe of the instruction 
 
 def bf16_dot_products_here() -> tuple[bool, str]:
     """Whether this CPU has bf16 dot products that serve: it reports AVX512-BF16 or AMX-BF16, the kernels
-    build, and vdpbf16ps passes its self-check (at small shapes; the model's shapes are checked at load).
+    build, and the tiles (or vdpbf16ps) pass their self-check (at small shapes; the model's shapes are checked at load).
     Returns (ready, why) for `--dtype auto` and `cbrun info`."""
     from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
     from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
@@ -122,7 +129,9 @@ def bf16_dot_products_here() -> tuple[bool, str]:
     kernels = load_cpu_kernels()
     if kernels is None:
         return False, "the compiled kernels are unavailable"
-    result = check_method(kernels, DP_ISA, _READY_SHAPES, cache_key=kernels.build_name)
+    method = DP_AMX if DP_AMX.runs_on(kernels) else DP_ISA
+    what = "AMX tiles" if method is DP_AMX else "vdpbf16ps"
+    result = check_method(kernels, method, _READY_SHAPES, cache_key=kernels.build_name)
     if not result.passed:
-        return False, f"vdpbf16ps failed its self-check: {result.detail}"
-    return True, "vdpbf16ps passed its self-check"
+        return False, f"{what} failed the self-check: {result.detail}"
+    return True, f"{what} passed the self-check"

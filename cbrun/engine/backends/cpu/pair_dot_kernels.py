@@ -2,9 +2,9 @@
 
 The kernels object holds these as `kernels.dp`, as it holds the int8 linears
 as `kernels.int8` (int8_kernels.py): the packed layout and its checks are one
-role, with its own scratch. The variant a call runs ("scalar", "twin", "isa")
+role, with its own scratch. The variant a call runs ("scalar", "twin", "isa", "amx")
 is chosen by the linear method after the load found which run here
-(isa_variants.py); see linear_dpbf16.c for the arithmetic all three share.
+(isa_variants.py); see linear_dpbf16.c and tile_order.h for the arithmetic they share.
 """
 
 from __future__ import annotations
@@ -52,11 +52,15 @@ class PairDotKernels:
         """Whether this CPU runs a variant of the pair kernels, linear and attention alike ("isa": AVX512-BF16)."""
         return self.variants.runnable("dp", variant)
 
+    def padded_inner(self, inner: int) -> int:
+        """K padded with zeros to whole 16-pair blocks (32 elements), as a packed matrix and its sums hold it."""
+        return int(self._lib.dp_inner_padded(inner))
+
     def packed(self, outputs: int, inner: int, gated: bool = False) -> torch.Tensor:
         """An empty packed matrix (zeros): `outputs` outputs of `inner` inputs (gated: that many gate and up rows)."""
         size = self._lib.dp_packed_size(outputs, inner, int(gated))
         packed = torch.empty(size, dtype=torch.int16)
-        blocks = size // ((inner + inner % 2) * self.block_outputs)
+        blocks = size // (self.padded_inner(inner) * self.block_outputs)
         check(self._lib.dp_zero_blocks(ptr(packed), blocks, inner, threads()), "dp_packed")
         return packed  # zeros, each block first touched by the thread that computes it
 
@@ -161,7 +165,7 @@ class PairDotKernels:
             bias=optional_ptr(bias),
             up_bias=optional_ptr(up_bias),
             y=ptr(out),
-            scratch=ptr(self._scratch(rows * (inner + inner % 2))),
+            scratch=ptr(self._scratch(self._lib.dp_scratch_bytes(rows, inner))),
             ldx=x.stride(0),
             N=outputs,
             K=inner,
@@ -177,9 +181,9 @@ class PairDotKernels:
         check(status, "dp_linear")
         return out
 
-    def _scratch(self, elements: int) -> torch.Tensor:
-        """Room for dp_linear's bf16 copy of x, kept per thread and grown on demand."""
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """Room for dp_linear's copy of x in its variant's layout, kept per thread and grown on demand."""
         scratch = getattr(self._local, "dp_rows", None)
-        if scratch is None or scratch.numel() < max(1, elements):
-            scratch = self._local.dp_rows = torch.empty(max(1, elements), dtype=torch.int16)
+        if scratch is None or scratch.numel() < max(1, nbytes):
+            scratch = self._local.dp_rows = torch.empty(max(1, nbytes), dtype=torch.uint8)
         return scratch

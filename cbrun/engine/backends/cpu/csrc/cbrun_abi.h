@@ -13,10 +13,11 @@
 #define CB_NO_MEMORY (-2) /* scratch could not be allocated */
 #define CB_NO_VARIANT (-3) /* this CPU cannot run the variant asked for */
 
-/* ---- variants of the bf16 pair-dot kernels (linear_dpbf16.c, attention.c; dp_pairs.h) -------------------- */
+/* ---- variants of the bf16 kernels (linear_dpbf16.c: AMX's order; attention.c: pair-dot scores) ------------- */
 #define CB_DP_SCALAR 0 /* plain C: the reference */
 #define CB_DP_TWIN 1   /* portable vectors under the CPU's flush modes */
 #define CB_DP_ISA 2    /* vdpbf16ps (AVX512-BF16) */
+#define CB_DP_AMX 3    /* tdpbf16ps (AMX-BF16): the linears only */
 
 /* ---- variants of the int8 kernels (linear_int8.c) --------------------------------------------------------- */
 #define CB_I8_SCALAR 0 /* plain C: the reference */
@@ -70,7 +71,7 @@ typedef struct {
   const float* bias;    /* fp32 [N] or NULL */
   const float* up_bias; /* fp32 [N] or NULL (gated modes) */
   void* y;              /* [M, N] (CB_MODE_RAW: [M, 2N]) rows ldy apart, bf16 (y_bf16) or fp32 */
-  void* scratch;        /* dp: M * Kp bf16 for the rounded rows; int8: i8_scratch_bytes for the quantized rows */
+  void* scratch;        /* dp: dp_scratch_bytes for the rounded rows; int8: i8_scratch_bytes for the quantized rows */
   float* row_scales;    /* int8: [M] the rows' scales (dp: unused) */
   int64_t ldx, N, K, ldy, M;
   int32_t x_bf16, y_bf16, mode, variant, threads;

@@ -1,57 +1,57 @@
-/* bf16 linear layers on bf16 dot-product pairs (AVX512-BF16's vdpbf16ps), with one arithmetic on
- * every CPU: y = x @ W^T (+ bias) for bf16 weights and activations.
+/* bf16 linear layers in one arithmetic on every CPU, AMX's tdpbf16ps order: y = x @ W^T (+ bias) for bf16 weights
+ * and activations.
  *
- * Every output y[m][n] is one fp32 chain over the pairs p = 0 .. Kp/2 - 1 of k, in that order,
- * started from zero; pair p adds its two products as vdpbf16ps does, per fp32 lane:
- *     t   = fma(x[2p+1], w[2p+1], acc)     flushed to zero if denormal
- *     acc = fma(x[2p],   w[2p],   t)       flushed to zero if denormal
- * with denormal inputs read as zero. (This model matched the instruction bit for bit in millions of
- * lanes of random bit patterns, NaNs and denormals included, on AMD Zen 4 and Zen 5.) K is padded to
- * even with a zero pair element, the bias (fp32) is added after the chain and bf16 outputs are
- * rounded once. Nothing about a call changes a chain: not the number of rows, the blocking, the
- * threads, nor the variant that computes it:
- *   CB_DP_SCALAR  plain C: fmaf and explicit flushing. The reference the others must equal.
- *   CB_DP_TWIN    the same loops in portable vectors (AVX2, AVX-512F, NEON: whatever the build targets),
- *              two FMAs per pair, with the CPU's flush-to-zero and denormals-are-zero modes set for
- *              the call (MXCSR on x86, FPCR on AArch64) so the FMAs flush as the instruction does.
- *   CB_DP_ISA     vdpbf16ps itself: 8 rows x 32 outputs a step in 16 zmm accumulators. Compiled on every
- *              x86 build (a target attribute), run only where the CPU has AVX512-BF16.
- * So a request's numbers are the same bits alone or in a crowd, and on every CPU: a CPU without the
- * instruction computes them with the twin, slowly. The engine runs a variant only after it has
- * equalled CB_DP_SCALAR on the user's CPU (linear_methods.py). Every variant runs with the flush modes
- * set (the epilogue too, which all variants share), so bias adds and SiLU are one arithmetic as well.
- * Why we own this kernel: oneDNN's bf16 GEMM blocks K by the call's shape (a row's bits change with
- * the batch once K >= 1536) and its order is not vdpbf16ps's pair order on every CPU.
+ * Every output y[m][n] is the sum of tile_order.h over K (padded with zeros to Kp, a multiple of 32): blocks of 16
+ * pairs in ascending order, each an even and an odd fp32 chain from +0 added to C as C + (E + O), denormals read
+ * as zero and flushed. The bias (fp32) is added after the sum and bf16 outputs are rounded once. Nothing about a
+ * call changes a sum: not the number of rows, the blocking, the threads, nor the variant that computes it:
+ *   CB_DP_SCALAR  plain C (tile_order.h): the reference the others must equal, whatever MXCSR holds.
+ *   CB_DP_TWIN    the same chains in portable vectors, the build's own width (AVX-512F or AVX2 FMA; NEON),
+ *                 the even and odd elements split from the packed pairs in registers (a shift, a mask), x
+ *                 converted to fp32 once per call, the CPU's flush modes set (MXCSR FTZ|DAZ; FPCR.FZ).
+ *   CB_DP_ISA     AVX512-BF16's vdpbf16ps on re-paired operands: the instruction adds a pair's high element
+ *                 first, then its low one, so pairs (k, k + 2) of the same parity, high first, make each of
+ *                 E and O one vdpbf16ps chain; one vaddps per block and chain. x is re-paired once per call,
+ *                 the weights in registers (a shift and a ternary logic op per vector).
+ *   CB_DP_AMX     AMX-BF16's tdpbf16ps itself: 16 rows x 16 outputs per C tile, two per block, one 16-pair
+ *                 block per instruction, the packed weights tile-loaded as they lie.
+ * The ISA and AMX code is compiled on every x86 build (target attributes) and runs only where the CPU has it;
+ * the engine runs a variant only after it has equalled CB_DP_SCALAR on the user's CPU (self_check.py). Every
+ * variant runs with the flush modes set (the epilogue too, which all share), so bias adds and SiLU are one
+ * arithmetic as well. Why we own this kernel: oneDNN's bf16 GEMM blocks K by the call's shape (a row's bits
+ * change with the batch once K >= 1536) and has no twin on CPUs without its instructions.
  *
- * Weights are packed once, at load (dp_pack_weight), and the packed matrix is the only copy the engine
- * keeps: blocks of DP_BLOCK = 32 outputs with the k-pairs of
- * each output interleaved,
- *     packed[block][pair][32 outputs][2 elements]   (bf16; K padded to even, the last block to
- *                                                    32 outputs, with zeros)
- * so one 64-byte load holds one pair of 16 outputs. A gated MLP block holds 16 gate rows and the
- * matching 16 up rows, and its epilogue writes silu(gate) * up. x (bf16, or fp32 rounded to bf16)
- * is copied per call into rows padded to Kp: xp[M][Kp].
+ * Weights are packed once, at load (dp_pack_weight), and the packed matrix is the only copy the engine keeps:
+ * blocks of DP_BLOCK = 32 outputs with the k-pairs of each output interleaved,
+ *     packed[block][pair][32 outputs][2 elements]   (bf16; K padded to Kp, the last block to 32 outputs, with
+ *                                                    zeros)
+ * so one 64-byte line holds one pair of 16 outputs, and 16 lines 128 bytes apart are an AMX B tile (16 pairs x
+ * 16 outputs). A gated MLP block holds 16 gate rows and the matching 16 up rows, and its epilogue writes
+ * silu(gate) * up. x (bf16, or fp32 rounded to bf16) is copied per call into rows of Kp in the layout the
+ * variant reads (dp_scratch_bytes).
  *
  *   dp_pack_weight w [n, K] bf16 -> outputs of a packed matrix (plain, or a gated block's gate or up half)
  *   dp_unpack_weight the inverse, bit for bit (close, weight reads, a tied head's embedding lookup)
  *   dp_linear      y [M, N] = x [M, K] @ W^T (+ bias), or silu(x @ Wg^T + bg) * (x @ Wu^T + bu), or (gated
  *                  raw) the gate and up sums side by side, y [M, 2N]: one member of a fused matrix alone
- *   dp_variant_runs  whether a variant can run on this CPU (CB_DP_ISA: the CPU reports AVX512-BF16)
+ *   dp_variant_runs  whether a variant can run on this CPU (and, for CB_DP_AMX, this process)
  */
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_state.h"
 #include "dp_pairs.h"
+#include "tile_order.h"
 
 #define DP_BLOCK 32            /* outputs per packed block */
-#define DP_ROWS 8              /* rows of x per step */
+#define DP_ROWS 16             /* rows of x per step: one AMX tile's rows (the vector variants go fewer at a time) */
 #ifndef DP_CHUNK_BYTES
 #define DP_CHUNK_BYTES (256 << 10) /* packed x per row chunk: stays in L2 while the weight blocks pass */
 #endif
 #ifndef DP_MIN_CHUNK
 /* rows per chunk at least: with a large K (6144: 16 rows fill 256 KiB) the weights, which stream from memory
- * once per chunk, cost more than x falling out of L2 (docs/performance.md, round 12). The order of every
- * output's chain does not depend on the chunking. */
+ * once per chunk, cost more than x falling out of L2 (docs/performance.md). The order of every output's sum does
+ * not depend on the chunking. */
 #define DP_MIN_CHUNK 128
 #endif
 #ifndef DP_K_PAIRS
@@ -59,145 +59,277 @@
  * every row group of a chunk passes it */
 #define DP_K_PAIRS 128
 #endif
+_Static_assert(DP_K_PAIRS % TO_BLOCK_PAIRS == 0 && DP_MIN_CHUNK % DP_ROWS == 0, "steps of whole blocks and tiles");
 
 typedef float dp_tile[DP_ROWS][DP_BLOCK];
 
-/* Pairs of k per step for K / 2 = `pairs`: the same for every call at that K (it depends on K alone), as even
- * as steps of at most DP_K_PAIRS allow. A step only carries the fp32 sums to the next one: no chain's order or
- * rounding changes (an fp32 value stored and loaded is itself). */
+/* Pairs of k per step for Kp / 2 = `pairs`: whole 16-pair blocks, the same for every call at that K (it depends
+ * on K alone), as even as steps of at most DP_K_PAIRS allow. A step only carries C, in fp32, to the next one:
+ * no sum's order or rounding changes (an fp32 value stored and loaded is itself). */
 static inline int64_t dp_k_step(int64_t pairs) {
-  const int64_t steps = (pairs + DP_K_PAIRS - 1) / DP_K_PAIRS;
-  return (pairs + steps - 1) / steps;
+  const int64_t blocks = pairs / TO_BLOCK_PAIRS, most = DP_K_PAIRS / TO_BLOCK_PAIRS;
+  const int64_t steps = (blocks + most - 1) / most;
+  return (blocks + steps - 1) / steps * TO_BLOCK_PAIRS;
 }
+
+/* The rows function of every variant: `rows` (<= DP_ROWS) rows of the variant's x layout (Kp elements apart)
+ * against pairs p0 .. p1 - 1 (whole blocks) of one packed block `w` (dp_rows_isa_paired: the step's re-paired
+ * copy, dp_repair_step), continuing C in `out` (from +0 where p0 = 0). */
+typedef void (*dp_rows_fn)(const void* xs, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
+                           dp_tile out);
 
 /* ---- CB_DP_SCALAR: the reference ----------------------------------------------------------------- */
 
-static void dp_rows_scalar(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
+static void dp_rows_scalar(const void* xs, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
                            dp_tile out) {
+  const uint16_t* xp = xs;
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < DP_BLOCK; ++j) {
-      float acc = p0 ? out[r][j] : 0.f;
-      for (int64_t p = p0; p < p1; ++p) acc = dp_pair_scalar(xp + r * Kp + 2 * p, w + (p * DP_BLOCK + j) * 2, acc);
-      out[r][j] = acc;
+      float c = p0 ? out[r][j] : 0.f;
+      for (int64_t p = p0; p < p1; p += TO_BLOCK_PAIRS)
+        c = to_block(c, xp + r * Kp + 2 * p, w + (p * DP_BLOCK + j) * 2, 2 * DP_BLOCK);
+      out[r][j] = c;
     }
 }
 
 /* ---- CB_DP_TWIN: portable vectors, the flush modes doing the flushing ----------------------------- */
 
-#define TWIN_VECS (DP_BLOCK / VEC) /* vectors across a block's outputs: 2 (AVX-512) or 4 (8 lanes) */
+#define TWIN_V (16 / VEC) /* vectors per half block (16 outputs): 1 (AVX-512) or 2 (8 lanes) */
 #if VEC == 16
-#define TWIN_ROWS 8 /* 16 accumulators + 4 weight halves + 2 splats of 32 zmm */
+#define TWIN_ROWS 8 /* 16 chains + 2 weight halves of 32 zmm; x comes as broadcasts from memory */
 #else
-#define TWIN_ROWS 2 /* 8 accumulators + 8 weight halves of 16 ymm would spill at more rows */
+#define TWIN_ROWS 2 /* 8 chains + 4 weight halves + 4 splats of 16 ymm */
 #endif
 
-/* TWIN_ROWS (or fewer) rows against pairs p0 .. p1 - 1 of one block, continuing the sums in `out` (from zero
- * where p0 = 0); each lane the chain of the header, fused multiply-adds where the build targets FMA
- * (-ffp-contract=fast), flushed by the mode the caller set. */
-static inline __attribute__((always_inline)) void twin_rows(const uint16_t* xp, int64_t Kp, const uint16_t* w,
-                                                            int rows, int64_t p0, int64_t p1,
-                                                            float (*out)[DP_BLOCK]) {
-  vNf acc[TWIN_ROWS][TWIN_VECS];
-  for (int r = 0; r < TWIN_ROWS; ++r)
-    for (int v = 0; v < TWIN_VECS; ++v) acc[r][v] = p0 && r < rows ? loadN_f32(out[r] + v * VEC) : splatN(0.f);
-  for (int64_t p = p0; p < p1; ++p) {
-    vNf high[TWIN_VECS], low[TWIN_VECS];
-    for (int v = 0; v < TWIN_VECS; ++v) {
-      const vNu pairs = *(const vNu_mem*)(w + (p * DP_BLOCK + v * VEC) * 2);
-      high[v] = twin_high(pairs);
-      low[v] = twin_low(pairs);
-    }
-    for (int r = 0; r < TWIN_ROWS; ++r) {
-      if (r >= rows) break;
-      uint32_t pair;
-      memcpy(&pair, xp + r * Kp + 2 * p, 4);
-      const vNf xh = splatN(twin_scalar_high(pair)), xl = splatN(twin_scalar_low(pair));
-      for (int v = 0; v < TWIN_VECS; ++v) acc[r][v] = dp_pair_twin(acc[r][v], xh, high[v], xl, low[v]);
-    }
+/* R rows (a constant) of fp32 x against half h (outputs 16h .. 16h + 15) of a block, pairs p0 .. p1 - 1: per
+ * block, E and O from zero, fused multiply-adds (-ffp-contract=fast), C in `out`. */
+#define DEFINE_TWIN_ROWS(R)                                                                                    \
+  static inline __attribute__((always_inline)) void twin_rows_##R(const float* xf, int64_t Kp, const uint16_t* w, \
+                                                                  int h, int64_t p0, int64_t p1, float (*out)[DP_BLOCK]) { \
+    for (int64_t b0 = p0; b0 < p1; b0 += TO_BLOCK_PAIRS) {                                                     \
+      vNf even[R][TWIN_V], odd[R][TWIN_V];                                                                     \
+      for (int r = 0; r < R; ++r)                                                                              \
+        for (int v = 0; v < TWIN_V; ++v) even[r][v] = odd[r][v] = splatN(0.f);                                 \
+      for (int64_t p = b0; p < b0 + TO_BLOCK_PAIRS; ++p) {                                                     \
+        vNf low[TWIN_V], high[TWIN_V];                                                                         \
+        for (int v = 0; v < TWIN_V; ++v) {                                                                     \
+          const vNu pairs = *(const vNu_mem*)(w + (p * DP_BLOCK + 16 * h + v * VEC) * 2);                      \
+          low[v] = twin_low(pairs);                                                                            \
+          high[v] = twin_high(pairs);                                                                          \
+        }                                                                                                      \
+        for (int r = 0; r < R; ++r) {                                                                          \
+          const vNf xe = splatN(xf[r * Kp + 2 * p]), xo = splatN(xf[r * Kp + 2 * p + 1]);                      \
+          for (int v = 0; v < TWIN_V; ++v) {                                                                   \
+            even[r][v] += xe * low[v];                                                                         \
+            odd[r][v] += xo * high[v];                                                                         \
+          }                                                                                                    \
+        }                                                                                                      \
+      }                                                                                                        \
+      for (int r = 0; r < R; ++r)                                                                              \
+        for (int v = 0; v < TWIN_V; ++v) {                                                                     \
+          float* at = out[r] + 16 * h + v * VEC;                                                               \
+          const vNf c = b0 ? loadN_f32(at) : splatN(0.f);                                                      \
+          storeN_f32(at, c + (even[r][v] + odd[r][v]));                                                        \
+        }                                                                                                      \
+    }                                                                                                          \
   }
-  for (int r = 0; r < rows; ++r)
-    for (int v = 0; v < TWIN_VECS; ++v) storeN_f32(out[r] + v * VEC, acc[r][v]);
-}
 
-static void dp_rows_twin(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
-                         dp_tile out) {
+DEFINE_TWIN_ROWS(1)
+DEFINE_TWIN_ROWS(2)
+#if TWIN_ROWS > 2
+DEFINE_TWIN_ROWS(3)
+DEFINE_TWIN_ROWS(4)
+DEFINE_TWIN_ROWS(5)
+DEFINE_TWIN_ROWS(6)
+DEFINE_TWIN_ROWS(7)
+DEFINE_TWIN_ROWS(8)
+#endif
+
+/* Not inlined into the driver: no FMA may move out of the region where the flush modes are set. */
+static __attribute__((noinline)) void dp_rows_twin(const void* xs, int64_t Kp, const uint16_t* w, int rows,
+                                                   int64_t p0, int64_t p1, dp_tile out) {
+  const float* xf = xs;
   for (int r0 = 0; r0 < rows; r0 += TWIN_ROWS) {
     const int n = rows - r0 < TWIN_ROWS ? rows - r0 : TWIN_ROWS;
-    twin_rows(xp + r0 * Kp, Kp, w, n, p0, p1, out + r0);
+    const float* x = xf + r0 * Kp;
+    for (int h = 0; h < 2; ++h) switch (n) {
+        case 1: twin_rows_1(x, Kp, w, h, p0, p1, out + r0); break;
+#if TWIN_ROWS > 2
+        case 2: twin_rows_2(x, Kp, w, h, p0, p1, out + r0); break;
+        case 3: twin_rows_3(x, Kp, w, h, p0, p1, out + r0); break;
+        case 4: twin_rows_4(x, Kp, w, h, p0, p1, out + r0); break;
+        case 5: twin_rows_5(x, Kp, w, h, p0, p1, out + r0); break;
+        case 6: twin_rows_6(x, Kp, w, h, p0, p1, out + r0); break;
+        case 7: twin_rows_7(x, Kp, w, h, p0, p1, out + r0); break;
+        default: twin_rows_8(x, Kp, w, h, p0, p1, out + r0); break;
+#else
+        default: twin_rows_2(x, Kp, w, h, p0, p1, out + r0); break;
+#endif
+      }
   }
 }
 
-/* ---- CB_DP_ISA: vdpbf16ps ------------------------------------------------------------------------ */
+/* ---- CB_DP_ISA: vdpbf16ps on re-paired operands --------------------------------------------------- */
 
 #if DP_HAS_ISA_SOURCE
 #include <immintrin.h>
 
 #define DP_ISA_TARGET __attribute__((target("avx512f,avx512bf16"), always_inline)) static inline
+#define DP_ISA_ROWS 6 /* 6 rows x 32 outputs x (E, O) = 24 zmm, + 4 weights + 2 broadcasts; C in `out` */
 
-/* R rows (a compile-time count) against pairs p0 .. p1 - 1 of one block, continuing the sums in `out` (from
- * zero where p0 = 0): per pair, two 64-byte weight loads, one broadcast of each row's pair, 2R instructions. */
-#define DEFINE_ISA_ROWS(R)                                                                              \
-  DP_ISA_TARGET void isa_rows_##R(const uint16_t* xp, int64_t Kp, const uint16_t* w, int64_t p0, int64_t p1, \
-                                  dp_tile out) {                                                        \
-    __m512 acc[R][2];                                                                                   \
-    for (int r = 0; r < R; ++r) {                                                                       \
-      acc[r][0] = p0 ? _mm512_loadu_ps(out[r]) : _mm512_setzero_ps();                                   \
-      acc[r][1] = p0 ? _mm512_loadu_ps(out[r] + 16) : _mm512_setzero_ps();                              \
-    }                                                                                                   \
-    for (int64_t p = p0; p < p1; ++p) {                                                                 \
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * DP_BLOCK * 2);                           \
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * DP_BLOCK * 2 + DP_BLOCK);                \
-      for (int r = 0; r < R; ++r) {                                                                     \
-        int32_t pair;                                                                                   \
-        memcpy(&pair, xp + r * Kp + 2 * p, 4);                                                          \
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                                          \
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);                                                \
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);                                                \
-      }                                                                                                 \
-    }                                                                                                   \
-    for (int r = 0; r < R; ++r) {                                                                       \
-      _mm512_storeu_ps(out[r], acc[r][0]);                                                              \
-      _mm512_storeu_ps(out[r] + 16, acc[r][1]);                                                         \
-    }                                                                                                   \
-  }
-
-DEFINE_ISA_ROWS(1)
-DEFINE_ISA_ROWS(2)
-DEFINE_ISA_ROWS(3)
-DEFINE_ISA_ROWS(4)
-DEFINE_ISA_ROWS(5)
-DEFINE_ISA_ROWS(6)
-DEFINE_ISA_ROWS(7)
-DEFINE_ISA_ROWS(8)
-
-__attribute__((target("avx512f,avx512bf16"))) static void dp_rows_isa(const uint16_t* xp, int64_t Kp,
-                                                                       const uint16_t* w, int rows, int64_t p0,
-                                                                       int64_t p1, dp_tile out) {
-  switch (rows) {
-    case 1: isa_rows_1(xp, Kp, w, p0, p1, out); break;
-    case 2: isa_rows_2(xp, Kp, w, p0, p1, out); break;
-    case 3: isa_rows_3(xp, Kp, w, p0, p1, out); break;
-    case 4: isa_rows_4(xp, Kp, w, p0, p1, out); break;
-    case 5: isa_rows_5(xp, Kp, w, p0, p1, out); break;
-    case 6: isa_rows_6(xp, Kp, w, p0, p1, out); break;
-    case 7: isa_rows_7(xp, Kp, w, p0, p1, out); break;
-    default: isa_rows_8(xp, Kp, w, p0, p1, out); break;
-  }
+/* A step's weights re-paired for vdpbf16ps, once per block and step for every row group of the chunk: pairs p and
+ * p + 1 (lines r0 and r1 of 16 outputs each) become, per output, the even pair (w[2p] high, w[2p+2] low) in line
+ * p - p0 of `to` and the odd pair (w[2p+1] high, w[2p+3] low) in line p + 1 - p0: the packed geometry, 16 KiB at
+ * most (DP_K_PAIRS), in L1. x's words come paired so already (dp_prepare_row). */
+__attribute__((target("avx512f,avx512bf16"))) static void dp_repair_step(const uint16_t* w, int64_t p0, int64_t p1,
+                                                                        uint16_t* to) {
+  const __m512i low_half = _mm512_set1_epi32(0xFFFF);
+  for (int64_t p = p0; p < p1; p += 2)
+    for (int v = 0; v < 2; ++v) {
+      const __m512i r0 = _mm512_loadu_si512(w + (p * DP_BLOCK + 16 * v) * 2);
+      const __m512i r1 = _mm512_loadu_si512(w + ((p + 1) * DP_BLOCK + 16 * v) * 2);
+      _mm512_storeu_si512(to + ((p - p0) * DP_BLOCK + 16 * v) * 2,
+                          _mm512_ternarylogic_epi32(_mm512_slli_epi32(r0, 16), r1, low_half, 0xF8));
+      _mm512_storeu_si512(to + ((p + 1 - p0) * DP_BLOCK + 16 * v) * 2,
+                          _mm512_ternarylogic_epi32(_mm512_srli_epi32(r1, 16), r0, low_half, 0xF4));
+    }
 }
+
+/* The weights of pairs p and p + 1, re-paired: from the step's copy (PAIRED: dp_repair_step, line 0 is pair p0) or
+ * from the packed block itself, in registers (a shift and a ternary logic op per vector, as dp_repair_step). */
+#define ISA_WEIGHTS_1(w, p, p0, v, we, wo)                                                                     \
+  do {                                                                                                         \
+    we = (__m512bh)_mm512_loadu_si512(w + (((p) - (p0)) * DP_BLOCK + 16 * (v)) * 2);                           \
+    wo = (__m512bh)_mm512_loadu_si512(w + (((p) + 1 - (p0)) * DP_BLOCK + 16 * (v)) * 2);                       \
+  } while (0)
+#define ISA_WEIGHTS_0(w, p, p0, v, we, wo)                                                                     \
+  do {                                                                                                         \
+    const __m512i r0 = _mm512_loadu_si512(w + ((p) * DP_BLOCK + 16 * (v)) * 2);                                \
+    const __m512i r1 = _mm512_loadu_si512(w + (((p) + 1) * DP_BLOCK + 16 * (v)) * 2);                          \
+    we = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi32(r0, 16), r1, _mm512_set1_epi32(0xFFFF), 0xF8);  \
+    wo = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(r1, 16), r0, _mm512_set1_epi32(0xFFFF), 0xF4);  \
+  } while (0)
+
+/* R rows (a constant) of re-paired x against pairs p0 .. p1 - 1 of one block. */
+#define DEFINE_ISA_ROWS(R, PAIRED)                                                                             \
+  DP_ISA_TARGET void isa_rows_##R##_##PAIRED(const uint32_t* xr, int64_t Kp, const uint16_t* w, int64_t p0,     \
+                                             int64_t p1, float (*out)[DP_BLOCK]) {                             \
+    for (int64_t b0 = p0; b0 < p1; b0 += TO_BLOCK_PAIRS) {                                                     \
+      __m512 even[R][2], odd[R][2];                                                                            \
+      for (int r = 0; r < R; ++r) even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();      \
+      for (int64_t p = b0; p < b0 + TO_BLOCK_PAIRS; p += 2) {                                                  \
+        __m512bh we[2], wo[2];                                                                                 \
+        for (int v = 0; v < 2; ++v) ISA_WEIGHTS_##PAIRED(w, p, p0, v, we[v], wo[v]);                           \
+        for (int r = 0; r < R; ++r) {                                                                          \
+          const __m512bh xe = (__m512bh)_mm512_set1_epi32((int)xr[r * (Kp / 2) + p]);                          \
+          const __m512bh xo = (__m512bh)_mm512_set1_epi32((int)xr[r * (Kp / 2) + p + 1]);                      \
+          for (int v = 0; v < 2; ++v) {                                                                        \
+            even[r][v] = _mm512_dpbf16_ps(even[r][v], xe, we[v]);                                              \
+            odd[r][v] = _mm512_dpbf16_ps(odd[r][v], xo, wo[v]);                                                \
+          }                                                                                                    \
+        }                                                                                                      \
+      }                                                                                                        \
+      for (int r = 0; r < R; ++r)                                                                              \
+        for (int v = 0; v < 2; ++v) {                                                                          \
+          const __m512 c = b0 ? _mm512_loadu_ps(out[r] + 16 * v) : _mm512_setzero_ps();                        \
+          _mm512_storeu_ps(out[r] + 16 * v, _mm512_add_ps(c, _mm512_add_ps(even[r][v], odd[r][v])));           \
+        }                                                                                                      \
+    }                                                                                                          \
+  }
+
+/* Rows in even passes of at most DP_ISA_ROWS (8 rows as 4 + 4, not 6 + 2). */
+#define DEFINE_ISA_DISPATCH(NAME, PAIRED)                                                                      \
+  DEFINE_ISA_ROWS(1, PAIRED)                                                                                   \
+  DEFINE_ISA_ROWS(2, PAIRED)                                                                                   \
+  DEFINE_ISA_ROWS(3, PAIRED)                                                                                   \
+  DEFINE_ISA_ROWS(4, PAIRED)                                                                                   \
+  DEFINE_ISA_ROWS(5, PAIRED)                                                                                   \
+  DEFINE_ISA_ROWS(6, PAIRED)                                                                                   \
+  __attribute__((target("avx512f,avx512bf16"), noinline)) static void NAME(                                    \
+      const void* xs, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1, dp_tile out) {          \
+    const uint32_t* xr = xs;                                                                                   \
+    const int passes = (rows + DP_ISA_ROWS - 1) / DP_ISA_ROWS, per_pass = (rows + passes - 1) / passes;        \
+    for (int r0 = 0; r0 < rows; r0 += per_pass) {                                                              \
+      const uint32_t* x = xr + r0 * (Kp / 2);                                                                  \
+      switch (rows - r0 < per_pass ? rows - r0 : per_pass) {                                                   \
+        case 1: isa_rows_1_##PAIRED(x, Kp, w, p0, p1, out + r0); break;                                        \
+        case 2: isa_rows_2_##PAIRED(x, Kp, w, p0, p1, out + r0); break;                                        \
+        case 3: isa_rows_3_##PAIRED(x, Kp, w, p0, p1, out + r0); break;                                        \
+        case 4: isa_rows_4_##PAIRED(x, Kp, w, p0, p1, out + r0); break;                                        \
+        case 5: isa_rows_5_##PAIRED(x, Kp, w, p0, p1, out + r0); break;                                        \
+        default: isa_rows_6_##PAIRED(x, Kp, w, p0, p1, out + r0); break;                                       \
+      }                                                                                                        \
+    }                                                                                                          \
+  }
+
+DEFINE_ISA_DISPATCH(dp_rows_isa, 0)        /* from the packed block: a chunk of one row group (decode) */
+DEFINE_ISA_DISPATCH(dp_rows_isa_paired, 1) /* from the step's re-paired copy: chunks of several row groups */
 #endif
 
-/* Rows of x (rows <= DP_ROWS, Kp apart) against pairs p0 .. p1 - 1 of one packed block, continuing the sums
- * in `out` (started from zero where p0 = 0). */
-typedef void (*dp_rows_fn)(const uint16_t* xp, int64_t Kp, const uint16_t* w, int rows, int64_t p0, int64_t p1,
-                           dp_tile out);
+/* ---- CB_DP_AMX: tdpbf16ps ------------------------------------------------------------------------- */
 
-/* Whether this CPU runs a variant of the pair kernels, linear and attention alike (CB_DP_ISA: AVX512-BF16). */
-int dp_variant_runs(int variant) { return dp_variant_supported(variant); }
+#if CB_HAS_AMX_SOURCE
+/* 16 rows x 16 outputs per C tile: tmm0 and tmm1 a block's two halves, x in tmm2, the weights in tmm3 and tmm4;
+ * one instruction per 16-pair block and half. x rows past `rows` are the scratch's zeroed pad rows (the row count
+ * is padded to DP_ROWS), read and never stored. */
+#define DP_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} dp_tile_config;
+
+DP_AMX_TARGET static void dp_amx_configure(void) {
+  dp_tile_config config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 5; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+DP_AMX_TARGET static void dp_rows_amx(const void* xs, int64_t Kp, const uint16_t* w, int rows, int64_t p0,
+                                      int64_t p1, dp_tile out) {
+  (void)rows;
+  const uint16_t* xp = xs;
+  if (p0) {
+    _tile_loadd(0, out[0], DP_BLOCK * 4);
+    _tile_loadd(1, out[0] + 16, DP_BLOCK * 4);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+  }
+  for (int64_t p = p0; p < p1; p += TO_BLOCK_PAIRS) {
+    _tile_loadd(2, xp + 2 * p, Kp * 2);
+    _tile_loadd(3, w + p * DP_BLOCK * 2, DP_BLOCK * 4);
+    _tile_loadd(4, w + p * DP_BLOCK * 2 + 32, DP_BLOCK * 4);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, out[0], DP_BLOCK * 4);
+  _tile_stored(1, out[0] + 16, DP_BLOCK * 4);
+}
+
+DP_AMX_TARGET static void dp_amx_release(void) { _tile_release(); }
+#endif
+
+/* Whether this CPU runs a variant of the pair kernels (CB_DP_ISA: AVX512-BF16; CB_DP_AMX: AMX-BF16 and Linux's
+ * grant of the tile state). Attention's pair-dot scores have no AMX variant (dp_pairs.h). */
+int dp_variant_runs(int variant) {
+  if (variant == CB_DP_AMX) return cb_amx_runs(CB_AMX_BF16);
+  return dp_variant_supported(variant);
+}
 
 static dp_rows_fn dp_rows_for(int variant) {
   if (!dp_variant_runs(variant)) return 0;
 #if DP_HAS_ISA_SOURCE
   if (variant == CB_DP_ISA) return dp_rows_isa;
+#endif
+#if CB_HAS_AMX_SOURCE
+  if (variant == CB_DP_AMX) return dp_rows_amx;
 #endif
   return variant == CB_DP_TWIN ? dp_rows_twin : dp_rows_scalar;
 }
@@ -217,7 +349,7 @@ static inline int dp_lane_of(int64_t n, int role) {
 /* Packed elements for N outputs of K inputs (gated: N gate and N up rows). */
 int64_t dp_packed_size(int64_t N, int64_t K, int gated) {
   const int64_t per_block = gated ? DP_BLOCK / 2 : DP_BLOCK;
-  return (N + per_block - 1) / per_block * ((K + 1) / 2 * 2) * DP_BLOCK;
+  return (N + per_block - 1) / per_block * to_padded_k(K) * DP_BLOCK;
 }
 
 /* A new packed matrix of `blocks` blocks of K inputs, zeroed block by block by the threads that will compute
@@ -225,7 +357,7 @@ int64_t dp_packed_size(int64_t N, int64_t K, int gated) {
  * NUMA nodes, with threads bound to cores, each block's pages are first touched, so placed, where they are read. */
 int dp_zero_blocks(uint16_t* packed, int64_t blocks, int64_t K, int threads) {
   if (blocks < 1 || K < 1) return CB_BAD_ARGS;
-  const int64_t Kp = (K + 1) / 2 * 2;
+  const int64_t Kp = to_padded_k(K);
   _Pragma("omp parallel for num_threads(threads) schedule(static)")
   for (int64_t b = 0; b < blocks; ++b) memset(packed + b * Kp * DP_BLOCK, 0, Kp * DP_BLOCK * sizeof(uint16_t));
   return 0;
@@ -309,7 +441,7 @@ static int64_t dp_pack_16_rows(const uint16_t* src, int64_t ldw, int64_t K, uint
 int dp_pack_weight(const uint16_t* w, int64_t ldw, int64_t rows, int64_t K, int role, int64_t first, uint16_t* packed,
                  int threads) {
   if (rows < 1 || K < 1 || first < 0 || ldw < K || role < CB_ROLE_PLAIN || role > CB_ROLE_UP) return CB_BAD_ARGS;
-  const int64_t Kp = (K + 1) / 2 * 2;
+  const int64_t Kp = to_padded_k(K);
   const int64_t b0 = dp_block_of(first, role), b1 = dp_block_of(first + rows - 1, role) + 1;
   _Pragma("omp parallel num_threads(threads)") {
   _Pragma("omp for schedule(static)")
@@ -341,7 +473,7 @@ int dp_pack_weight(const uint16_t* w, int64_t ldw, int64_t rows, int64_t K, int 
 int dp_unpack_weight(const uint16_t* packed, int64_t K, int role, int64_t first, const int64_t* ids, int64_t count,
                    uint16_t* out, int64_t ldo, int threads) {
   if (count < 0 || K < 1 || ldo < K || role < CB_ROLE_PLAIN || role > CB_ROLE_UP) return CB_BAD_ARGS;
-  const int64_t Kp = (K + 1) / 2 * 2;
+  const int64_t Kp = to_padded_k(K);
   _Pragma("omp parallel for num_threads(threads) schedule(static)")
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = ids ? ids[i] : first + i;
@@ -360,17 +492,42 @@ static inline void dp_store(void* y, int64_t at, int y_bf16, float value) {
   else ((float*)y)[at] = value;
 }
 
-/* Rows of x into xp [M][Kp] as bf16 (fp32 rounded to nearest even), the pad column zero; this thread's
- * rows (every threads-th). */
-static void dp_pack_rows(const void* x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int64_t Kp, uint16_t* xp,
-                         int thread, int threads) {
-  for (int64_t m = thread; m < M; m += threads) {
-    uint16_t* dst = xp + m * Kp;
-    if (x_bf16) memcpy(dst, (const uint16_t*)x + m * ldx, K * 2);
-    else
-      for (int64_t k = 0; k < K; ++k) dst[k] = f32_to_bf16(((const float*)x)[m * ldx + k]);
-    if (Kp > K) dst[K] = 0;
+/* Bytes of dp_linear's scratch for M rows of K: the rows padded to DP_ROWS, each Kp elements of the largest
+ * layout a variant reads (fp32). */
+int64_t dp_scratch_bytes(int64_t M, int64_t K) {
+  return (M + DP_ROWS - 1) / DP_ROWS * DP_ROWS * to_padded_k(K) * (int64_t)sizeof(float);
+}
+
+/* Row m of x into the layout `variant` reads, Kp elements past K zero: bf16 rows (CB_DP_SCALAR, CB_DP_AMX), fp32
+ * rows (CB_DP_TWIN: the bf16 values widened), or CB_DP_ISA's re-paired words, per 4 elements k .. k + 3
+ * (x[k] << 16 | x[k + 2], x[k + 1] << 16 | x[k + 3]). x is bf16, or fp32 rounded to bf16 (nearest even). Past M
+ * (AMX's pad rows), zeros. */
+static void dp_prepare_row(const void* x, int64_t ldx, int x_bf16, int64_t M, int64_t m, int64_t K, int64_t Kp,
+                           void* scratch, int variant) {
+  uint16_t row[Kp];
+  if (m >= M) memset(row, 0, Kp * 2);
+  else if (x_bf16) memcpy(row, (const uint16_t*)x + m * ldx, K * 2);
+  else
+    for (int64_t k = 0; k < K; ++k) row[k] = f32_to_bf16(((const float*)x)[m * ldx + k]);
+  if (m < M) memset(row + K, 0, (Kp - K) * 2);
+  if (variant == CB_DP_TWIN) {
+    float* dst = (float*)scratch + m * Kp;
+    for (int64_t k = 0; k < Kp; ++k) dst[k] = dp_bf16_to_f32(row[k]);
+  } else if (variant == CB_DP_ISA) {
+    uint32_t* dst = (uint32_t*)scratch + m * (Kp / 2);
+    for (int64_t k = 0; k < Kp; k += 4) {
+      dst[k / 2] = (uint32_t)row[k] << 16 | row[k + 2];
+      dst[k / 2 + 1] = (uint32_t)row[k + 1] << 16 | row[k + 3];
+    }
+  } else {
+    memcpy((uint16_t*)scratch + m * Kp, row, Kp * 2);
   }
+}
+
+/* Where row m of the variant's layout starts in the scratch. */
+static inline const void* dp_scratch_row(const void* scratch, int64_t m, int64_t Kp, int variant) {
+  return variant == CB_DP_TWIN ? (const void*)((const float*)scratch + m * Kp)
+                               : (const void*)((const uint16_t*)scratch + m * Kp);
 }
 
 typedef struct {
@@ -428,22 +585,23 @@ static void dp_emit(const dp_target* t, int64_t b, int64_t m, int rows, dp_tile 
 
 /* y = x @ W^T (+ bias) for the packed W of N outputs over K (gated = CB_MODE_SILU: silu(x @ Wg^T + bias) *
  * (x @ Wu^T + up_bias), N outputs; CB_MODE_RAW: x @ Wg^T + bias and x @ Wu^T + up_bias, 2N outputs). x [M, K]
- * rows ldx apart, bf16 or fp32; y [M, N] rows ldy apart, bf16 or fp32; xp: scratch for M * Kp bf16. Returns 0,
- * CB_BAD_ARGS, CB_NO_MEMORY, or CB_NO_VARIANT where this CPU cannot run it.
+ * rows ldx apart, bf16 or fp32; y [M, N] rows ldy apart, bf16 or fp32; scratch: dp_scratch_bytes(M, K). Returns
+ * 0, CB_BAD_ARGS, CB_NO_MEMORY, or CB_NO_VARIANT where this CPU cannot run it.
  *
  * Threads split the work by output blocks within a chunk of rows, never by k. Where K is longer than a step
- * (dp_k_step: a function of K alone), each block's sums for the chunk's rows are carried in fp32 tiles from
- * one step of pairs to the next, so the step's weights stay in L1 while every row group passes them; the
- * chain of every output is the one above whatever the steps, chunks or threads. */
+ * (dp_k_step: whole 16-pair blocks, a function of K alone), each block's C for the chunk's rows is carried in
+ * fp32 tiles from one step to the next, so the step's weights stay in L1 while every row group passes them; the
+ * sum of every output is the one of tile_order.h whatever the steps, chunks or threads. */
 static int dp_linear_run(const void* x, int64_t ldx, int x_bf16, const uint16_t* packed, int64_t N, int64_t K,
                          int gated, const float* bias, const float* up_bias, void* y, int64_t ldy, int y_bf16,
-                         int64_t M, uint16_t* xp, int variant, int threads) {
-  if (M < 0 || N < 1 || K < 1 || gated < 0 || gated > CB_MODE_RAW) return CB_BAD_ARGS;
+                         int64_t M, void* scratch, int variant, int threads) {
+  if (M < 0 || N < 1 || K < 1 || ldx < K || gated < 0 || gated > CB_MODE_RAW) return CB_BAD_ARGS;
   const dp_rows_fn rows_fn = dp_rows_for(variant);
   if (!rows_fn) return CB_NO_VARIANT;
   if (M == 0) return 0;
-  const int64_t Kp = (K + 1) / 2 * 2;
+  const int64_t Kp = to_padded_k(K);
   const int64_t blocks = (N + (gated ? DP_BLOCK / 2 : DP_BLOCK) - 1) / (gated ? DP_BLOCK / 2 : DP_BLOCK);
+  const int64_t padded_rows = variant == CB_DP_AMX ? (M + DP_ROWS - 1) / DP_ROWS * DP_ROWS : M;
   int64_t chunk = DP_CHUNK_BYTES / (Kp * 2);
   chunk = chunk < DP_MIN_CHUNK ? DP_MIN_CHUNK : chunk - chunk % DP_ROWS;
   const int64_t pairs = Kp / 2, step = dp_k_step(pairs);
@@ -451,10 +609,16 @@ static int dp_linear_run(const void* x, int64_t ldx, int x_bf16, const uint16_t*
   int failed = 0;
   _Pragma("omp parallel num_threads(threads)") {
     const unsigned mode = dp_flush_on();
-    dp_pack_rows(x, ldx, x_bf16, M, K, Kp, xp, omp_get_thread_num(), omp_get_num_threads());
-    /* the sums of a chunk's rows against one block, carried across its K steps (one tile when K is one step) */
+    const int thread = omp_get_thread_num(), count = omp_get_num_threads();
+    for (int64_t m = thread; m < padded_rows; m += count) dp_prepare_row(x, ldx, x_bf16, M, m, K, Kp, scratch, variant);
+#if CB_HAS_AMX_SOURCE
+    if (variant == CB_DP_AMX) dp_amx_configure();
+#endif
+    /* CB_DP_ISA's re-paired step of weights (step * 128 bytes: 16 KiB at most) */
+    uint16_t* repaired = variant == CB_DP_ISA ? aligned_alloc(64, step * DP_BLOCK * 2 * sizeof(uint16_t)) : 0;
+    /* C of a chunk's rows against one block, carried across its K steps (one tile when K is one step) */
     dp_tile one, *tiles = step < pairs ? malloc(sizeof(dp_tile) * (chunk / DP_ROWS + 1)) : &one;
-    if (!tiles) {
+    if (!tiles || (variant == CB_DP_ISA && !repaired)) {
       _Pragma("omp atomic write")
       failed = 1;
     }
@@ -464,35 +628,42 @@ static int dp_linear_run(const void* x, int64_t ldx, int x_bf16, const uint16_t*
       _Pragma("omp for schedule(static)")
       for (int64_t b = 0; b < blocks; ++b) {
         const uint16_t* w = packed + b * Kp * DP_BLOCK;
-        if (step == pairs) { /* K in one step: each row group's sums go out as soon as they are done */
-          for (int64_t m = m0; m < m1; m += DP_ROWS) {
-            const int rows = m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS;
-            rows_fn(xp + m * Kp, Kp, w, rows, 0, pairs, one);
-            dp_emit(&target, b, m, rows, one);
-          }
-          continue;
-        }
         for (int64_t p0 = 0; p0 < pairs; p0 += step) { /* this step's weights stay in L1 for every row group */
           const int64_t p1 = p0 + step < pairs ? p0 + step : pairs;
+          const uint16_t* ws = w;
+          dp_rows_fn fn = rows_fn;
+#if DP_HAS_ISA_SOURCE
+          if (variant == CB_DP_ISA && m1 - m0 > DP_ROWS) { /* re-paired once for all the chunk's row groups */
+            dp_repair_step(w, p0, p1, repaired);
+            ws = repaired;
+            fn = dp_rows_isa_paired;
+          }
+#endif
           for (int64_t m = m0; m < m1; m += DP_ROWS) {
             const int rows = m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS;
-            rows_fn(xp + m * Kp, Kp, w, rows, p0, p1, tiles[(m - m0) / DP_ROWS]);
+            dp_tile* tile = step < pairs ? &tiles[(m - m0) / DP_ROWS] : &one;
+            fn(dp_scratch_row(scratch, m, Kp, variant), Kp, ws, rows, p0, p1, *tile);
+            if (p1 == pairs) dp_emit(&target, b, m, rows, *tile); /* K in one step: out as soon as done */
           }
         }
-        for (int64_t m = m0; m < m1; m += DP_ROWS)
-          dp_emit(&target, b, m, m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS, tiles[(m - m0) / DP_ROWS]);
       }
     }
     if (tiles != &one) free(tiles);
+    free(repaired);
+#if CB_HAS_AMX_SOURCE
+    if (variant == CB_DP_AMX) dp_amx_release();
+#endif
     dp_flush_restore(mode);
   }
   return failed ? CB_NO_MEMORY : 0;
 }
 
-/* The entry point: `mode` CB_MODE_PLAIN, CB_MODE_SILU or CB_MODE_RAW; `scratch` M * Kp bf16 (cbrun_abi.h). */
+/* The entry point: `mode` CB_MODE_PLAIN, CB_MODE_SILU or CB_MODE_RAW; `scratch` dp_scratch_bytes (cbrun_abi.h). */
 int dp_linear(const cb_linear_params* a) {
   return dp_linear_run(a->x, a->ldx, a->x_bf16, a->packed, a->N, a->K, a->mode, a->bias, a->up_bias, a->y, a->ldy,
                        a->y_bf16, a->M, a->scratch, a->variant, a->threads);
 }
 
 int dp_block_outputs(void) { return DP_BLOCK; }
+
+int64_t dp_inner_padded(int64_t K) { return to_padded_k(K); }
