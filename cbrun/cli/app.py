@@ -50,10 +50,6 @@ def _register_bench() -> None:
         from cbrun.cli.bench_options import BenchOptions
 
         bench_command = command(BenchOptions, bench)
-    except ModuleNotFoundError as exc:
-        if exc.name == "cbrun.cli.bench":
-            return  # not written yet
-        error = exc
     except Exception as exc:  # a bug in bench must not take generate down
         error = exc
     else:

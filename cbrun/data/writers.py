@@ -280,37 +280,3 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-class ParquetParts:
-    """A directory of Parquet part files, one per table written (`part-00000.parquet`, ...).
-
-    For writers that receive results as whole tables in no fixed order (Ray
-    blocks): each part is written to a temporary name, fsynced and renamed,
-    so a reader of the directory (cbrun, pyarrow, Hugging Face datasets) only
-    ever sees complete parts, and a killed run leaves every finished part
-    readable. `prefix` keeps the parts of different writers apart.
-    """
-
-    def __init__(self, directory: Path, prefix: str = "part"):
-        self.directory = directory
-        self.prefix = prefix
-        self.parts = 0
-        self.rows_written = 0
-        directory.mkdir(exist_ok=True)
-
-    def write_table(self, table: Any) -> Path:  # a pyarrow.Table
-        import pyarrow.parquet as pq
-
-        path = self.directory / f"{self.prefix}-{self.parts:05d}.parquet"
-        tmp = path.with_name(path.name + ".tmp")
-        pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        self.parts += 1
-        self.rows_written += table.num_rows
-        return path
-
-    def close(self) -> None:
-        _fsync_dir(self.directory)

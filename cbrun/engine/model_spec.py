@@ -34,10 +34,6 @@ class ModelSpec:
     def has_full_layers(self) -> bool:
         return "full" in self.layer_groups
 
-    @property
-    def is_hybrid(self) -> bool:
-        return len(set(self.layer_groups)) > 1
-
 
 def read_model_spec(model: CausalLM, tokenizer: Tokenizer) -> ModelSpec:
     """Derive cache shape, layer attention types, limits and EOS ids from a loaded model."""

@@ -79,12 +79,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=lambda r: r.arrival_order)
 
-    def requeue(self, request: Request) -> None:
-        """Put a preempted request back in line at its arrival position."""
-        if request in self.running:
-            self.running.remove(request)
-        self.add(request)
-
     def remove(self, request: Request) -> None:
         """Take a finished, failed or cancelled request out and free its blocks at once."""
         if request in self.running:
