@@ -98,7 +98,7 @@ class BenchRunOptions:
     plot: Annotated[
         Optional[Path],
         output_option(
-            help="Also draw the figures side by side into this .png or .svg (needs pip install 'cbrun[plot]').",
+            help="Also draw the figures side by side into this .png or .svg (needs pip install 'cbrun\\[plot]').",
             show_default=False,
         ),
     ] = None
