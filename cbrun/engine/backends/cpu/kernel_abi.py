@@ -276,6 +276,9 @@ SIGNATURES = {
     "i8_quantize_rows": (_INT, [_P, _I64, _INT, _I64, _I64, _P, _P, _INT]),
     "i8_linear": _LINEAR,
     "i8_block_outputs": (_INT, []),
+    # lora.c
+    "lora_apply": (_INT, [_P, _INT, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _INT, _INT]),
+    "lora_max_rank": (_INT, []),
 }
 
 

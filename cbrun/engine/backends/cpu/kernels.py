@@ -53,6 +53,7 @@ from cbrun.engine.backends.cpu.kernel_abi import (
     threads,
     unit_stride_rows,
 )
+from cbrun.engine.backends.cpu.lora_kernels import LoraKernels
 from cbrun.engine.backends.cpu.pair_dot_kernels import LINEAR_DTYPES, PairDotKernels
 from cbrun.engine.backends.metadata import PagedRows
 
@@ -79,6 +80,7 @@ class CpuKernels:
         self.attend_dp_variant = variants.attention  # bf16 scores on pair dots (attention.c), chosen at load
         self.dp = PairDotKernels(library, variants)  # linear_dpbf16.c's entry points
         self.int8 = Int8Kernels(library, variants)  # linear_int8.c's entry points
+        self.lora = LoraKernels(library)  # lora.c's grouped adapter deltas
         self._local = threading.local()  # per-thread scratch (engines may step in their own threads)
 
     def supports_attention(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
