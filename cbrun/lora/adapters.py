@@ -1,9 +1,9 @@
 """The engine's LoRA adapters: loaded once, held in fp32, applied row by row to the requests that name them.
 
-Each adapted linear of an adapter keeps A [r, K] and scaling * B [N, r] in
-fp32 and computes `(scaling * B)(A(x))` through the backend's fp32 linear arithmetic
-(on CPU the compiled kernel, which reads them in place; elsewhere torch),
-whatever the model's dtype: PEFT also keeps adapters in fp32 over bf16
+Each adapted linear of an adapter keeps A [r, K] and scaling * B [N, r] (and
+its transpose, which the CPU's grouped call reads) in fp32 and computes
+`(scaling * B)(A(x))` in fp32 (on CPU one compiled call for every adapter of
+a step, lora.c; elsewhere torch), whatever the model's dtype: PEFT also keeps adapters in fp32 over bf16
 models. The delta of a row depends on that row alone (lora/step.py).
 
 The base model is untouched: adapters are not merged, so any number of them
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from cbrun.lora.peft_files import AdapterConfig, AdapterError, AdapterWeights
-from cbrun.lora.step import StepLoRA
+from cbrun.lora.step import GroupedDeltas, StepLoRA
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # fp32 x [n, K] -> fp32 [n, N]
 
@@ -45,6 +45,7 @@ class AdapterLinear:
     b: torch.Tensor  # [N, r] fp32, times the scaling
     through_a: Linear
     through_b: Linear
+    bt: torch.Tensor  # [r, N] fp32: b transposed, as the grouped call reads it
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, K] -> (scaling * B)(A(x)) [n, N] fp32."""
@@ -67,7 +68,7 @@ class LoRAAdapters:
     """Every adapter of one engine, by name. Changed only on the engine's loop thread, between steps.
 
     linear_for(weight): the backend's fp32 arithmetic for a weight [N, K] held in place; the torch default
-    is F.linear.
+    is F.linear. grouped: the backend's one-call arithmetic for every adapter of a step (lora/step.py), if any.
     """
 
     def __init__(
@@ -76,8 +77,10 @@ class LoRAAdapters:
         max_rank: int,
         max_loras: int | None = None,
         linear_for: Callable[[torch.Tensor], Linear] | None = None,
+        grouped: GroupedDeltas | None = None,
     ) -> None:
         self.model = model
+        self.grouped = grouped
         self.max_rank = max_rank
         self.max_loras = max_loras
         self.linear_for = linear_for or _torch_linear
@@ -91,8 +94,11 @@ class LoRAAdapters:
     @classmethod
     def serving(cls, model: torch.nn.Module, backend: object, config: Any) -> LoRAAdapters:
         """The adapters of an engine (its EngineConfig's max_lora_rank and max_loras) over its backend's fp32
-        linear arithmetic."""
-        return cls(model, config.max_lora_rank, config.max_loras, fp32_linear_of(backend))
+        linear arithmetic (and its grouped LoRA call, where it has one)."""
+        grouped = getattr(getattr(backend, "kernels", None), "lora", None)
+        if grouped is not None and config.max_lora_rank > grouped.max_rank:
+            grouped = None  # ranks over the compiled call's: each adapter through the fp32 linear
+        return cls(model, config.max_lora_rank, config.max_loras, fp32_linear_of(backend), grouped)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, name: str, weights: AdapterWeights, lora_int_id: int | None = None, path: str = "") -> LoadedAdapter:
@@ -180,7 +186,7 @@ class LoRAAdapters:
     def _linear(self, a: torch.Tensor, b: torch.Tensor, scaling: float) -> AdapterLinear:
         a32 = a.detach().to(a.device, torch.float32).contiguous()
         scaled = (b.detach().to(a32.device, torch.float32) * scaling).contiguous()  # one rounding, at load
-        return AdapterLinear(a32, scaled, self.linear_for(a32), self.linear_for(scaled))
+        return AdapterLinear(a32, scaled, self.linear_for(a32), self.linear_for(scaled), scaled.t().contiguous())
 
     def check_shapes(self, name: str, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Raise AdapterError unless every pair fits its module (A [r, in], B [out, r]) and r <= max_rank."""
@@ -205,7 +211,7 @@ class LoRAAdapters:
             for name, indices in rows.items()
             if indices and self.adapters[name].linears
         ]
-        return StepLoRA(groups, num_tokens) if groups else None
+        return StepLoRA(groups, num_tokens, self.grouped) if groups else None
 
     @contextmanager
     def active(self, step: StepLoRA | None):  # type: ignore[no-untyped-def]

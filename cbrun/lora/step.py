@@ -6,12 +6,15 @@ then adds, to its output rows of each adapter,
 
     delta = (scaling * B)(A(x_rows))    x_rows [n, K] -> [n, r] -> [n, N], fp32
 
-computed on the rows of that adapter alone, gathered, through the backend's
-linear arithmetic (on CPU the compiled fp32 kernel, which gives a row the
-same bits for any number of rows), and added element by element (one IEEE
-add per output). So a row's output depends on its own input and adapter
-only: several adapters in one step give each request the bits it gets
-alone (batch invariance), and rows without an adapter are not touched.
+and adds it element by element (one IEEE add per output). On CPU one
+compiled call (the backend's `GroupedDeltas`: lora.c) does this for every
+adapter of the step and every member that reads the same x (q|k|v, gate|up),
+reading the adapters in place; elsewhere each adapter's rows are gathered and
+run through the backend's linear arithmetic. Either way a row's delta has one
+order of sums whatever the step holds, so a row's output depends on its own
+input and adapter only: several adapters in one step give each request the
+bits it gets alone (batch invariance), and rows without an adapter are not
+touched.
 
 This module is a leaf: the CPU backend's fused layers call it (through the
 forward's `LORA_KWARG`), and the adapters' forward hooks (adapters.py) call it
@@ -32,7 +35,27 @@ LORA_KWARG = "cbrun_lora"  # the step's StepLoRA, passed to the model's forward 
 class AdaptedLinear(Protocol):
     """One adapter's A and B of one linear: x [n, K] (any float dtype) -> fp32 delta [n, N]."""
 
+    @property
+    def a(self) -> torch.Tensor: ...  # [r, K] fp32
+
+    @property
+    def bt(self) -> torch.Tensor: ...  # [r, N] fp32, the scaling folded in
+
     def delta(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class GroupedDeltas(Protocol):
+    """A backend's one-call LoRA arithmetic (on CPU lora_kernels.LoraKernels): ys[m] [T, N_m] += B_m (A_m x) on
+    each group's rows of x [T, K], per member m the group's (A [r, K], B^T [r, N_m]) or None."""
+
+    def accepts(self, x: torch.Tensor, ys: Sequence[torch.Tensor]) -> bool: ...
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        groups: Sequence[tuple[torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor] | None]]],
+        ys: Sequence[torch.Tensor],
+    ) -> None: ...
 
 
 class RowsAdapter(Protocol):
@@ -48,6 +71,7 @@ class StepLoRA:
 
     groups: Sequence[tuple[RowsAdapter, torch.Tensor]]
     num_tokens: int  # the step's T: every adapted linear's input has this many rows
+    grouped: GroupedDeltas | None = None  # the backend's one-call arithmetic, where it has one
 
     def adapts(self, *modules: torch.nn.Module) -> bool:
         """Whether any adapter of the step adapts any of `modules`."""
@@ -56,63 +80,51 @@ class StepLoRA:
     def add(self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, N] (fp32, or the model's dtype; may be a column view) += each adapter's delta on its rows of x
         [T, K]. A low-precision y is widened, added to and rounded once per element."""
+        self.add_members((module,), x, (y,))
+
+    def add_members(self, modules: Sequence[torch.nn.Module], x: torch.Tensor, ys: Sequence[torch.Tensor]) -> None:
+        """ys[m] [T, N_m] += each adapter's delta of modules[m] on its rows of x [T, K], for members that read the
+        same x (q|k|v: one call for all of them and every adapter, where the backend has the call)."""
         self._check(x)
-        for adapter, rows in self.groups:
-            linear = adapter.linears.get(module)
-            if linear is None:
-                continue
+        groups = [
+            (rows, [adapter.linears.get(module) for module in modules])
+            for adapter, rows in self.groups
+            if any(module in adapter.linears for module in modules)
+        ]
+        if not groups:
+            return
+        if self.grouped is not None and x.device.type == "cpu" and self.grouped.accepts(x, ys):
+            pairs = [(rows, [None if lin is None else (lin.a, lin.bt) for lin in linears]) for rows, linears in groups]
+            self.grouped.apply(x, pairs, ys)
+            return
+        for rows, linears in groups:
             rows = rows.to(x.device)
             picked = x if len(rows) == self.num_tokens else x.index_select(0, rows)  # the whole step: no gathering
-            delta = linear.delta(picked)  # [n, N] fp32
-            if y.dtype == torch.float32:
-                y.index_add_(0, rows, delta)
-            else:
-                y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+            for linear, y in zip(linears, ys):
+                if linear is None:
+                    continue
+                delta = linear.delta(picked)  # [n, N] fp32
+                if y.dtype == torch.float32:
+                    y.index_add_(0, rows, delta)
+                else:
+                    y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
 
     def gated(
         self,
         gate: torch.nn.Module,
         up: torch.nn.Module,
         x: torch.Tensor,
-        whole: Callable[[torch.Tensor], torch.Tensor],
         sums: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """A fused gated MLP's silu(gate) * up [T, I] for x [T, K]: rows of no adapter of gate or up through
-        `whole` (the fused kernel, as without adapters), the others (all of them in one pass over the weights) from
-        their gate and up sums (`sums(x_rows)`: fp32 [n, I] each, biases included) plus each one's own deltas,
-        through `silu_mul` (the fused kernel's activation: the same bits for a zero delta). Each row is computed
-        once, and its numbers depend on its own input and adapter only."""
+        """A fused gated MLP's silu(gate) * up [T, I] fp32 for x [T, K]: every row's gate and up sums in one pass
+        over the weights (`sums(x)`: fp32 [T, I] each, biases included; the fused kernel's result bit for bit
+        through `silu_mul`), each adapted row's deltas added in between. Rows of no adapter get what the fused
+        kernel gives them, and each row's numbers depend on its own input and adapter only."""
         self._check(x)
-        groups = [
-            (rows.to(x.device), adapter.linears.get(gate), adapter.linears.get(up))
-            for adapter, rows in self.groups
-            if gate in adapter.linears or up in adapter.linears
-        ]
-        adapted = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        for rows, _, _ in groups:
-            adapted[rows] = True
-        union = adapted.nonzero()[:, 0]  # [n] every adapted row, ascending: one pass over gate and up for all
-        position = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-        position[union] = torch.arange(len(union), device=x.device)
-        picked = x.index_select(0, union)  # [n, K]
-        g, u = sums(picked)  # [n, I] fp32 each (may be column views of one [n, 2I] result: added to in place)
-        for rows, on_gate, on_up in groups:
-            local = position[rows]
-            mine = picked.index_select(0, local)
-            if on_gate is not None:
-                g.index_add_(0, local, on_gate.delta(mine))
-            if on_up is not None:
-                u.index_add_(0, local, on_up.delta(mine))
-        activated = silu_mul(g, u)  # [n, I] fp32
-        others = (~adapted).nonzero()[:, 0]
-        if not len(others):
-            return activated
-        rest = whole(x.index_select(0, others))  # [T - n, I] in the model's dtype
-        out = torch.empty(x.shape[0], rest.shape[1], dtype=rest.dtype, device=x.device)
-        out.index_copy_(0, union, activated.to(rest.dtype))
-        out.index_copy_(0, others, rest)
-        return out
+        g, u = sums(x)  # [T, I] fp32 each (may be column views of one [T, 2I] result: added to in place)
+        self.add_members((gate, up), x, (g, u))
+        return silu_mul(g, u)  # [T, I] fp32
 
     def _check(self, x: torch.Tensor) -> None:
         if x.shape[0] != self.num_tokens:

@@ -97,11 +97,15 @@ def test_the_adapted_layer_equals_merged_weights_bitwise_where_the_merge_is_exac
     a, b = dyadic(8, 64), dyadic(48, 8)
     scaling = 2.0  # lora_alpha 16 / r 8
     scaled = scaling * b
-    adapted = AdapterLinear(a, scaled, lambda v: kernels.linear(v, a), lambda v: kernels.linear(v, scaled))
+    bt = scaled.t().contiguous()
+    adapted = AdapterLinear(a, scaled, lambda v: kernels.linear(v, a), lambda v: kernels.linear(v, scaled), bt)
     merged = weight + scaling * (b @ a)
     got = kernels.linear(x, weight) + adapted.delta(x)
     assert torch.equal(got, kernels.linear(x, merged))
     assert not torch.equal(got, kernels.linear(x, weight))
+    grouped = kernels.linear(x, weight)  # the grouped call (lora.c) on every row, in place
+    kernels.lora.apply(x, [(torch.arange(len(x)), [(a, bt)])], [grouped])
+    assert torch.equal(grouped, kernels.linear(x, merged))
 
 
 @needs_kernels

@@ -27,6 +27,7 @@ which removes it at close, like the kernel linears' (held_weights.py).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -225,9 +226,8 @@ def fused_forward(
         lora.add(plan.o_proj, attended, projected)
     normed, residual = kernels.rmsnorm(x, plan.post_norm.weight, plan.post_norm.eps, delta=projected)
     gated_method = plan.gated_method
-    if lora is not None and lora.adapts(plan.gate, plan.up):  # adapted rows from gate and up sums, the rest fused
-        whole = functools.partial(gated_method, out_dtype=plan.dtype)
-        gated = lora.gated(plan.gate, plan.up, normed, whole, gated_method.gated_sums, kernels.silu_mul).to(plan.dtype)
+    if lora is not None and lora.adapts(plan.gate, plan.up):  # every row from gate and up sums, deltas in between
+        gated = lora.gated(plan.gate, plan.up, normed, gated_method.gated_sums, kernels.silu_mul).to(plan.dtype)
     else:
         gated = gated_method(normed, plan.dtype)  # [T, I]: the down projection reads it in the model's dtype
     down = plan.down_method(gated, torch.float32)  # [T, hidden]
@@ -258,11 +258,11 @@ def _attention(
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
     assert plan.qkv_method is not None  # made at install
     qkv = plan.qkv_method(normed, torch.float32)  # [T, (H + 2 H_kv) D] fp32 sums
-    if lora is not None:
-        start = 0
-        for linear in plan.qkv:  # each member's columns, before the head norms and rotary
-            lora.add(linear, normed, qkv[:, start : start + linear.out_features])
-            start += linear.out_features
+    if lora is not None:  # each member's columns, before the head norms and rotary: one call for all three
+        bounds = [0]
+        for linear in plan.qkv:
+            bounds.append(bounds[-1] + linear.out_features)
+        lora.add_members(plan.qkv, normed, [qkv[:, lo:hi] for lo, hi in itertools.pairwise(bounds)])
     if plan.q_norm is not None:
         assert plan.k_norm is not None  # the head norms come as a pair
         qkv[:, : heads * dim], _ = kernels.rmsnorm(qkv[:, : heads * dim], plan.q_norm.weight, plan.q_norm.eps)
