@@ -42,8 +42,11 @@ from cbrun.engine.model_spec import CausalLM, read_model_spec
 from cbrun.engine.step.attention import register as register_attention
 from cbrun.engine.step.batch import GroupLayout, PagedBatch
 from cbrun.engine.step.model_runner import ModelRunner
+from cbrun.lora.adapters import LoRAAdapters, fp32_linear_of
+from cbrun.lora.peft_files import AdapterError, AdapterWeights
 
 DEFAULT_PAGE_SIZE = 16  # the engine's default (EngineConfig.page_size): attention splits its key segments at pages
+_ADAPTER = "trainer"  # the name the trainer's adapter is held under (the engine's names do not enter the bits)
 
 
 class EngineForward:
@@ -82,17 +85,22 @@ class EngineForward:
         self.held = self.backend.held
         self.routes = dict(self.held.forwards)  # module -> the forward the engine gives it
         self._route(False)
+        grouped = getattr(self.backend.kernels, "lora", None)
+        self.max_lora_rank = grouped.max_rank if grouped is not None else 0
+        self.adapters = LoRAAdapters(self.model, self.max_lora_rank, 1, fp32_linear_of(self.backend), grouped)
         if not self.backend.attends_rows:
             self.close()
             raise ValueError(
                 f"{model.config.model_type}: the compiled attention does not cover this model (soft-capped scores "
                 "or its head shape), so the engine itself is not batch-invariant on it"
             )
-        self.runner = ModelRunner(self.model, self.backend)
+        self.runner = ModelRunner(self.model, self.backend, self.adapters)
 
-    def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def logprobs(self, sequences: Sequence[Sequence[int]], adapter: AdapterWeights | None = None) -> list[torch.Tensor]:
         """For each sequence of n >= 1 token ids, fp32 [n - 1]: the logprob of tokens 1..n-1, each given
-        the tokens before it, at temperature 1, bit for bit what `generate` reports and `score` gives."""
+        the tokens before it, at temperature 1, bit for bit what `generate` reports and `score` gives
+        (under LoRA `adapter` on every token: what an engine holding it gives requests that name it; the
+        engine's grouped LoRA call serves ranks up to `max_lora_rank`, an engine's max_lora_rank up to it)."""
         lengths = [len(s) for s in sequences]
         if not lengths:
             return []
@@ -100,8 +108,11 @@ class EngineForward:
             raise ValueError("every sequence needs at least one token")
         targets = torch.tensor([t for s in sequences for t in list(s)[1:]], dtype=torch.long)  # [sum n - 1]
         values: list[float] = []
+        self._hold(adapter)
         with self.engine_arithmetic():
             batch = self._batch(sequences)
+            if adapter is not None:
+                batch.lora = self.adapters.step({_ADAPTER: range(batch.num_rows)}, batch.num_rows)
             step = self.runner.forward(batch)
             for start, logits in self.runner.score_chunks(step):  # [c, V] fp32, as score's chunks
                 chunk = targets[start : start + logits.shape[0]]
@@ -129,8 +140,22 @@ class EngineForward:
 
     def close(self) -> None:
         """Free the packed copies (and the private copy in the engine's dtype); the model is left as it came."""
+        self.adapters.close()  # its hooks off the model
         self._route(True)  # the backend's restore takes the routes off itself
         self.backend.close(restore=self.lending)  # a private copy is dropped whole: nothing to give back
+
+    def _hold(self, adapter: AdapterWeights | None) -> None:
+        """Hold `adapter`'s current A and B as an engine's update_lora loads them (fp32, the scaling folded into B
+        once), or none."""
+        if adapter is None:
+            self.adapters.remove(_ADAPTER)
+            return
+        rank = max((a.shape[0] for a, _ in adapter.pairs.values()), default=0)
+        if rank > self.max_lora_rank:
+            raise AdapterError(
+                f"LoRA rank {rank} is over {self.max_lora_rank}, the most the engine's grouped LoRA call computes"
+            )
+        self.adapters.load(_ADAPTER, adapter)
 
     def _refresh(self) -> None:
         """Give the methods the model's current weights, as an engine's `update_weights` does: lending, each

@@ -17,6 +17,13 @@ whose value is `exact` (for finite x, x - x is exactly +0) and whose
 gradient is d stock / d params. So a training step costs one engine forward
 on top of the trainer's usual forward and backward; without grad (the
 reference logprobs of a rollout) only the engine forward runs.
+
+A PEFT LoRA model (get_peft_model's) is taken as a rollout engine holds it
+(peft_lora.py): its base model's plain layers and its active adapter apart,
+the adapter's current A and B read on every call as `LLM.update_lora(name,
+get_peft_model_state_dict(model), config=...)` loads them. Its values are the
+bits an engine gives requests that name the adapter; the gradient, through
+the PEFT model's own forward, reaches A and B.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch.nn.functional as F
 
 from cbrun.engine.model_spec import CausalLM
 from cbrun.training.engine_forward import DEFAULT_PAGE_SIZE, EngineForward, model_dtype
+from cbrun.training.peft_lora import active_adapter, base_view, is_peft_model
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -64,7 +72,8 @@ class ExactLogprobs:
         if model_dtype(model) not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the engine computes float32 or bfloat16 models, not {model_dtype(model)}")
         self.model = model
-        self.engine = EngineForward(model, page_size, kernels, wanted)
+        self.lora = is_peft_model(model)  # a PEFT LoRA model: the base's plain layers, its adapter held apart
+        self.engine = EngineForward(base_view(model) if self.lora else model, page_size, kernels, wanted)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TokenLogprobs:
         """input_ids [B, L] (left or right padded; each row's tokens one run where attention_mask is 1) ->
@@ -78,7 +87,8 @@ class ExactLogprobs:
         exact = torch.zeros(input_ids.shape, dtype=torch.float32)  # [B, L]
         if any(len(r) > 0 for r in rows):
             present = [b for b, r in enumerate(rows) if r]
-            values = self.engine.logprobs([rows[b] for b in present])
+            adapter = active_adapter(self.model) if self.lora else None
+            values = self.engine.logprobs([rows[b] for b in present], adapter)
             for b, row_values in zip(present, values):
                 exact[b, scored[b]] = row_values
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in self.model.parameters()):
