@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 GEMM_ROWS = 256
 SQUARE_SIZE = 2048
 
 
-def model_gflop_per_token(model) -> float:
+def model_gflop_per_token(model: Any) -> float:
     """2 * (non-embedding parameters + LM head weights) / 1e9, from the loaded model."""
     embed = model.get_input_embeddings().weight
     head_module = model.get_output_embeddings()
@@ -29,7 +33,7 @@ def model_gflop_per_token(model) -> float:
     return 2.0 * (body + head.numel()) / 1e9
 
 
-def model_gemm_shapes(model) -> list[tuple[int, int]]:
+def model_gemm_shapes(model: Any) -> list[tuple[int, int]]:
     """(in_features, out_features) of one decoder layer's linear layers plus the LM head (the shapes a step runs)."""
     import torch
 
@@ -51,7 +55,7 @@ def _layer_index(name: str) -> int | None:
 
 def measure_gemm_gflops(
     shapes: list[tuple[int, int]],
-    dtype,
+    dtype: torch.dtype,
     device: str = "cpu",
     rows: int = GEMM_ROWS,
     repeats: int = 5,
@@ -142,7 +146,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure_ceiling(model, run_dtype, device: str = "cpu", quantization: str | None = None) -> dict:
+def measure_ceiling(model: Any, run_dtype: torch.dtype, device: str = "cpu", quantization: str | None = None) -> dict:
     """GFLOP/token and GEMM rates: bf16 (the reference) and the run's dtype, each the best of model shapes and a
     square; with quantization "int8" (on CPU), the int8 rates too (measure_int8_gops)."""
     import torch

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from cbrun.bench.workload import Workload
+
+if TYPE_CHECKING:
+    from cbrun.engine.sampling_params import StructuredSpec
 
 TOKENIZE_WINDOW = 256
 
@@ -23,12 +27,12 @@ TOKENIZE_WINDOW = 256
 class DatasetPrompts:
     prompts: list[list[int]] = field(default_factory=list)
     output_lens: list[int] = field(default_factory=list)
-    structured: list = field(default_factory=list)  # per prompt: the row's StructuredSpec or None
+    structured: list[StructuredSpec | None] = field(default_factory=list)  # per prompt: the row's constraint or None
     skipped: list[str] = field(default_factory=list)  # each message names the row
 
 
 def read_dataset(
-    path: str | Path, tokenizer, *, output_len: int, max_context: int, vocab_size: int, limit: int | None = None
+    path: str | Path, tokenizer: Any, *, output_len: int, max_context: int, vocab_size: int, limit: int | None = None
 ) -> DatasetPrompts:
     """The first `limit` usable rows as token ids and output lengths."""
     from cbrun.data.generate.preparer import GeneratePreparer
@@ -73,7 +77,7 @@ def read_dataset(
 
 def dataset_workload(
     path: str | Path,
-    tokenizer,
+    tokenizer: Any,
     *,
     output_len: int,
     max_context: int,

@@ -16,6 +16,10 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 PREFIX = "random:"
 
@@ -212,7 +216,7 @@ def _build(name: str, dtype: str, seed: int, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def _draw(name: str, shape: tuple[int, ...], seed: int):
+def _draw(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     import torch
 
     if name.endswith("norm.weight"):

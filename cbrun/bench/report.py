@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from typing import Any, TextIO
 
 from cbrun.bench.ceiling import ceiling_fraction
 from cbrun.bench.result import PeerResult
@@ -24,7 +25,7 @@ CBRUN_STATS_LABELS = {
 }
 
 
-def fmt(value, digits: int = 2) -> str:
+def fmt(value: float | None, digits: int = 2) -> str:
     """How every figure is shown: fixed decimals, '-' when not measured."""
     if value is None:
         return "-"
@@ -88,7 +89,7 @@ def _entry(
     run_dtype: str,
     computed_input_tokens: int | None,
 ) -> dict:
-    entry = {
+    entry: dict[str, Any] = {
         "engine": r.engine,
         "status": r.status,
         "reason": r.reason,
@@ -138,7 +139,7 @@ TABLE_COLUMNS = [  # (header, key, digits)
 ]
 
 
-def print_report(report: dict, file=None) -> None:
+def print_report(report: dict, file: TextIO | None = None) -> None:
     """The table, cbrun's engine statistics, notes, mismatches and the `Throughput:` lines."""
     from rich.console import Console
     from rich.table import Table
@@ -219,7 +220,7 @@ def report_lines(report: dict) -> list[str]:
     return lines
 
 
-def _stat(value, key: str) -> str:
+def _stat(value: float | None, key: str) -> str:
     if key in ("peak_kv_occupancy", "prefix_hit_rate") and value is not None:
         return f"{100 * value:.1f}%"
     return fmt(value, 1)

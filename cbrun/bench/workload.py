@@ -11,9 +11,12 @@ generator, so a given seed yields the same workload on every run.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from cbrun.engine.sampling_params import StructuredSpec
 
 WARMUP_PROMPTS = 8
 WARMUP_MAX_OUTPUT = 16
@@ -30,7 +33,7 @@ class Workload:
     temperature: float = 1.0
     seed: int = 0
     source: str = "random"
-    structured: list[Any] | None = None  # one StructuredSpec or None per prompt (structured outputs)
+    structured: list[StructuredSpec | None] | None = None  # one constraint or None per prompt (structured outputs)
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.output_lens):
@@ -42,7 +45,7 @@ class Workload:
     def is_structured(self) -> bool:
         return self.structured is not None and any(s is not None for s in self.structured)
 
-    def constraint(self, index: int):
+    def constraint(self, index: int) -> StructuredSpec | None:
         """Prompt `index`'s StructuredSpec, or None."""
         return self.structured[index] if self.structured is not None else None
 
@@ -93,7 +96,7 @@ def draw_lengths(rng: np.random.Generator, length: int, range_ratio: float, coun
     return [int(x) for x in rng.integers(low, high + 1, size=count)]
 
 
-def usable_token_ids(tokenizer, vocab_size: int) -> np.ndarray:
+def usable_token_ids(tokenizer: Any, vocab_size: int) -> np.ndarray:
     """Token ids a random prompt may use: inside both the tokenizer's and the model's vocabulary, no special tokens."""
     limit = min(len(tokenizer), vocab_size) if tokenizer is not None else vocab_size
     special = set(getattr(tokenizer, "all_special_ids", None) or [])
@@ -139,7 +142,9 @@ def warmup_workload(workload: Workload, token_ids: np.ndarray) -> Workload:
     return replace(workload, prompts=prompts, output_lens=output_lens, n=1, source="warmup", structured=structured)
 
 
-def _check_workload_args(num_prompts, input_len, output_len, range_ratio, prefix_len, n) -> None:
+def _check_workload_args(
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, prefix_len: int, n: int
+) -> None:
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
     if input_len < 1 or output_len < 1:

@@ -6,6 +6,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def converted_dir(name_or_path: str, extra: dict, dtype: torch.dtype) -> Path | 
     return cache_dir() / "converted" / f"{gguf.stem}-{key}-{str(dtype).removeprefix('torch.')}"
 
 
-def save_converted(model, tokenizer, target: Path) -> None:
+def save_converted(model: Any, tokenizer: Any, target: Path) -> None:
     """Save the dequantized model and tokenizer atomically; failure only costs speed next time."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

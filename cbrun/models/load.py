@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -16,6 +18,7 @@ from cbrun.models.resolve import resolve_spec
 from cbrun.models.support import check_supported
 
 log = logging.getLogger("cbrun.models")
+T = TypeVar("T")
 
 
 def load_model(
@@ -34,7 +37,7 @@ def load_model(
     return _load(str(spec), name_or_path, extra, torch_dtype, device)
 
 
-def _load(spec: str, name_or_path: str, extra: dict, dtype: torch.dtype, device: str):
+def _load(spec: str, name_or_path: str, extra: dict, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, Any]:
     """Load config first so an unsupported architecture fails before any weights are read."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -52,7 +55,9 @@ def _load(spec: str, name_or_path: str, extra: dict, dtype: torch.dtype, device:
         model_kwargs["quantization_config"] = dequantize_config()
     tokenizer = _attempt(spec, "load its tokenizer", AutoTokenizer.from_pretrained, name_or_path, **kwargs)
     with scale_keys_unreported() if w8a8 is not None else contextlib.nullcontext():
-        model = _attempt(spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs)
+        model: torch.nn.Module = _attempt(
+            spec, "load its weights", AutoModelForCausalLM.from_pretrained, name_or_path, **model_kwargs
+        )
     if w8a8 is not None:
         count = _attempt(spec, "read its int8 weights", load_w8a8_weights, model, name_or_path)
         log.info(
@@ -66,7 +71,7 @@ def _load(spec: str, name_or_path: str, extra: dict, dtype: torch.dtype, device:
     return model, tokenizer
 
 
-def _text_decoder(model, dtype: torch.dtype):
+def _text_decoder(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A multimodal checkpoint (Gemma 3 4B and up) as its text-only causal LM, sharing the weights.
 
     cbrun feeds text only, and the engine drives a plain decoder: the language
@@ -88,7 +93,7 @@ def _text_decoder(model, dtype: torch.dtype):
     return text_model
 
 
-def _attempt(spec: str, what: str, fn, *args, **kwargs):
+def _attempt(spec: str, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run one loading step, turning its failure into a ModelLoadError that names the step."""
     try:
         return fn(*args, **kwargs)
@@ -98,7 +103,7 @@ def _attempt(spec: str, what: str, fn, *args, **kwargs):
         ) from error
 
 
-def _ensure_special_tokens(model, tokenizer) -> None:
+def _ensure_special_tokens(model: torch.nn.Module, tokenizer: Any) -> None:
     """Give the tokenizer a pad token and the generation config an eos id, which batching relies on."""
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token

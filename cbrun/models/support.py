@@ -6,6 +6,8 @@ model fails at load rather than deep in a forward pass.
 
 from __future__ import annotations
 
+from typing import Any
+
 from cbrun.models.errors import ModelLoadError
 
 # Stock decoder-only causal LMs whose attention goes through transformers'
@@ -35,7 +37,7 @@ UNSUPPORTED_REASONS = {
 }
 
 
-def check_supported(config, spec: str = "") -> None:
+def check_supported(config: Any, spec: str = "") -> None:
     """Refuse architectures the engine's paged attention cannot drive."""
     model_type = getattr(config, "model_type", None)
     if model_type in SUPPORTED_MODEL_TYPES:

@@ -250,3 +250,6 @@ class _RowSink:
 
     def flush(self) -> None:
         pass
+
+    def close(self) -> None:  # nothing to close: the rows are returned as the batch's block
+        pass

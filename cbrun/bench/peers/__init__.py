@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from cbrun.bench.result import PeerResult, PeerUnavailable  # noqa: F401  (re-exported for peers)
 
@@ -21,7 +21,7 @@ from cbrun.bench.result import PeerResult, PeerUnavailable  # noqa: F401  (re-ex
 class Progress:
     """Plain progress lines on stderr, at most one per `interval_s` per engine (silent when quiet)."""
 
-    def __init__(self, quiet: bool = False, interval_s: float = 2.0, stream=None):
+    def __init__(self, quiet: bool = False, interval_s: float = 2.0, stream: TextIO | None = None) -> None:
         self.quiet = quiet
         self.interval_s = interval_s
         self.stream = stream

@@ -9,11 +9,16 @@ statistics for the timed pass are the difference of two snapshots.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from cbrun.bench.peers import PeerContext
 from cbrun.bench.result import PeerResult, PeerUnavailable
 from cbrun.bench.structured import Validity
 from cbrun.bench.workload import Workload
+
+if TYPE_CHECKING:
+    from cbrun.engine import Engine, EngineConfig
+    from cbrun.engine.stats import StatsSnapshot
 
 
 def run_free(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
@@ -52,7 +57,7 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
     return result
 
 
-def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str | None) -> PeerResult:
+def _run_pass(engine: Engine, workload: Workload, ctx: PeerContext, label: str | None) -> PeerResult:
     """Submit every request up front and wait for all results (progress lines under `label`, if any)."""
     total = workload.num_prompts * workload.n
     counts = [0] * workload.num_prompts
@@ -94,7 +99,7 @@ def _run_pass(engine, workload: Workload, ctx: PeerContext, label: str | None) -
     return result
 
 
-def _submit(engine, workload: Workload) -> tuple[dict[str, int], int]:
+def _submit(engine: Engine, workload: Workload) -> tuple[dict[str, int], int]:
     """Queue the whole workload in one prefix-sorted `add_requests` call.
 
     Each request gets its own output length and its own seed (`Workload.request_seed`).
@@ -118,7 +123,7 @@ def _submit(engine, workload: Workload) -> tuple[dict[str, int], int]:
     return {rid: i for i, rid in enumerate(ids)}, 1
 
 
-def _with_prefault(config, workload: Workload):
+def _with_prefault(config: EngineConfig | None, workload: Workload) -> EngineConfig:
     """The engine config with the workload's worst-case cache blocks touched at start-up.
 
     vLLM allocates and zero-fills its whole cache at start-up, which bench
@@ -138,7 +143,7 @@ def _with_prefault(config, workload: Workload):
     return replace(config, prefault_blocks=need * workload.n)
 
 
-def stats_delta(before, after) -> dict:
+def stats_delta(before: StatsSnapshot, after: StatsSnapshot) -> dict:
     """The timed pass's engine figures from two cumulative StatsSnapshots."""
     prompt = after.prompt_tokens - before.prompt_tokens
     hits = after.prefix_hit_tokens - before.prefix_hit_tokens
@@ -156,9 +161,9 @@ def stats_delta(before, after) -> dict:
     }
 
 
-def _config_dict(config) -> dict | None:
+def _config_dict(config: object) -> dict | None:
     if config is None:
         return None
     from dataclasses import asdict, is_dataclass
 
-    return asdict(config) if is_dataclass(config) else dict(vars(config))
+    return asdict(config) if is_dataclass(config) and not isinstance(config, type) else dict(vars(config))

@@ -11,12 +11,17 @@ per batch: the time its first token came out, from the start of the pass.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 from transformers import StoppingCriteria
 
 from cbrun.bench.peers import PeerContext
 from cbrun.bench.result import PeerResult
 from cbrun.bench.workload import Workload
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import GenerationConfig
 
 
 def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
@@ -89,7 +94,7 @@ def _pad_and_eos(ctx: PeerContext) -> tuple[int, set[int]]:
     return pad, eos_ids
 
 
-def _left_pad(batch: list[list[int]], pad_id: int, device):
+def _left_pad(batch: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     width = max(len(p) for p in batch)
@@ -101,7 +106,7 @@ def _left_pad(batch: list[list[int]], pad_id: int, device):
     return ids.to(device), mask.to(device)
 
 
-def _generation_config(workload: Workload, max_new: int, pad_id: int, eos_ids: set[int]):
+def _generation_config(workload: Workload, max_new: int, pad_id: int, eos_ids: set[int]) -> GenerationConfig:
     """Every sampling field set explicitly, so the model's own generation defaults (top-k 50 ...) do not leak in."""
     from transformers import GenerationConfig
 
@@ -125,7 +130,7 @@ class _FirstTokenClock(StoppingCriteria):
     def __init__(self) -> None:
         self.first_time: float | None = None
 
-    def __call__(self, input_ids, scores, **kwargs):
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         import torch
 
         if self.first_time is None:

@@ -14,10 +14,14 @@ Ignore-EOS is expressed as `eos_token_id=-1` (transformers' "no EOS").
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 from cbrun.bench.peers import PeerContext
 from cbrun.bench.result import PeerResult
 from cbrun.bench.workload import Workload
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 CHILD_MARK = "__child#"
 
@@ -80,12 +84,12 @@ def _expand_greedy_samples(workload: Workload) -> tuple[list[list[int]], list[in
     return prompts, lens, n
 
 
-def _generation_config(ctx: PeerContext, workload: Workload, copies: int):
+def _generation_config(ctx: PeerContext, workload: Workload, copies: int) -> GenerationConfig:
     from transformers import GenerationConfig
 
     sampling = workload.temperature > 0
     eos = -1 if workload.ignore_eos else _eos_token_id(ctx)
-    kwargs = dict(max_new_tokens=max(workload.output_lens), do_sample=sampling, eos_token_id=eos)
+    kwargs: dict[str, Any] = dict(max_new_tokens=max(workload.output_lens), do_sample=sampling, eos_token_id=eos)
     if sampling:
         kwargs.update(temperature=workload.temperature, top_k=0, top_p=1.0)
         if copies == 1 and workload.n > 1:
@@ -93,14 +97,21 @@ def _generation_config(ctx: PeerContext, workload: Workload, copies: int):
     return GenerationConfig(**kwargs)
 
 
-def _eos_token_id(ctx: PeerContext):
+def _eos_token_id(ctx: PeerContext) -> int | list[int]:
     eos = getattr(getattr(ctx.model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = ctx.tokenizer.eos_token_id
     return -1 if eos is None else eos
 
 
-def _run_pass(manager, prompts, output_lens, workload: Workload, ctx: PeerContext, label: str) -> PeerResult:
+def _run_pass(
+    manager: Any,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    workload: Workload,
+    ctx: PeerContext,
+    label: str,
+) -> PeerResult:
     """Submit all requests (prefix-sorted), collect every finished one."""
     eos = manager.generation_config.eos_token_id
     num_samples = manager.num_return_sequences

@@ -21,11 +21,15 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from cbrun.bench.peers import PeerContext, vllm_child
 from cbrun.bench.result import PeerResult, PeerUnavailable
 from cbrun.bench.structured import Validity, vllm_constraint
 from cbrun.bench.workload import Workload
+
+if TYPE_CHECKING:
+    import torch
 
 LOG_TAIL_LINES = 30
 MIN_KV_BYTES = 512 << 20
@@ -35,7 +39,7 @@ MAX_KV_BYTES = 4 << 30
 def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
     python = _interpreter(ctx.vllm_python)
     model_dir = model_dir_for_vllm(ctx)
-    job = {
+    job: dict[str, Any] = {
         "model": str(model_dir),
         "tokenizer": str(model_dir),
         "dtype": ctx.vllm_dtype,  # "auto": vLLM picks, as a user who runs it as installed gets
@@ -77,14 +81,16 @@ def run(ctx: PeerContext, workload: Workload, warmup: Workload) -> PeerResult:
         validity = Validity()
         for index, samples in enumerate(figures["outputs"]):
             spec = workload.constraint(index)
-            for text, reason in samples if spec is not None else ():
+            if spec is None:
+                continue
+            for text, reason in samples:
                 validity.add(spec, text, reason)
         result.notes.append(validity.note())
         result.details["structured"] = validity.as_dict()
     return result
 
 
-def _torch_dtype(ctx: PeerContext):
+def _torch_dtype(ctx: PeerContext) -> torch.dtype:
     """The dtype vLLM will compute in as far as the parent can tell (for sizing its KV cache)."""
     import torch
 
@@ -120,7 +126,7 @@ def _pass_spec(workload: Workload) -> dict:
     }
 
 
-def kv_cache_bytes(model, dtype, workload: Workload) -> int:
+def kv_cache_bytes(model: Any, dtype: torch.dtype, workload: Workload) -> int:
     """KV memory for every request of the workload at once (the most vLLM could use), within [512 MiB, 4 GiB]."""
     config = model.config.get_text_config()
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
