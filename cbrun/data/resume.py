@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cbrun.data.atomic import replace_atomically
 from cbrun.data.output_rows import RowKey
 from cbrun.data.writers import journal_path
 
@@ -127,14 +128,13 @@ def scan_jsonl(path: Path, classify: Classify, state: ResumeState) -> int:
 
 
 def _rewrite_without(path: Path, drop: set[int]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(path, "rb") as src, open(tmp, "wb") as dst:
-        for number, line in enumerate(src):
-            if number not in drop:
-                dst.write(line)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, path)
+    def write(tmp: Path) -> None:
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            for number, line in enumerate(src):
+                if number not in drop:
+                    dst.write(line)
+
+    replace_atomically(path, write)  # beside it as OUT.jsonl.tmp, fsynced, renamed over it
 
 
 def _scan_parquet(path: Path, classify: Classify, state: ResumeState) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from cbrun.data.atomic import replace_atomically
 from cbrun.data.generate.format import CbrunFormat
 from cbrun.data.output_rows import STOPPED_MARKER
 
@@ -147,21 +148,20 @@ def finalize_parquet(path: Path, journal: Path, fmt: TableFormat) -> None:
     keep_types = _keep_types(journal, fmt.keep_columns, old)
     schema = fmt.arrow_schema({name: t for name, (t, _) in keep_types.items()})
     as_text = {name for name, (_, text) in keep_types.items() if text}
-    tmp = path.with_name(path.name + ".tmp")
-    with pq.ParquetWriter(tmp, schema) as writer:
-        if old is not None:
-            for batch in old.iter_batches(batch_size=CONVERT_CHUNK_ROWS):
-                writer.write_table(_conform(batch, schema))
-            old.close()
-        for rows in _journal_chunks(journal):
-            for row in rows:
-                for name in as_text:
-                    row[name] = _as_text(row.get(name))
-            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+
+    def write(tmp: Path) -> None:
+        with pq.ParquetWriter(tmp, schema) as writer:
+            if old is not None:
+                for batch in old.iter_batches(batch_size=CONVERT_CHUNK_ROWS):
+                    writer.write_table(_conform(batch, schema))
+                old.close()
+            for rows in _journal_chunks(journal):
+                for row in rows:
+                    for name in as_text:
+                        row[name] = _as_text(row.get(name))
+                writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+
+    replace_atomically(path, write, sync_dir=True)  # OUT.parquet.tmp, then the rename made durable
     journal.unlink(missing_ok=True)
 
 
@@ -267,16 +267,3 @@ def _cast(column, target):
         return column.cast(target)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return pa.array([_as_text(v) for v in column.to_pylist()], pa.string()).cast(target)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

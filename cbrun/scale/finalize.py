@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from cbrun.data.atomic import replace_atomically
 from cbrun.data.generate.format import CbrunFormat
 
 REWRITES_IN_FLIGHT = 16
@@ -93,11 +93,9 @@ def conform_part(path: str, schema: Any) -> None:
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
                 column = pa.array([_as_text(v) for v in column.to_pylist()], target.type)
         columns.append(column)
-    tmp = Path(path).with_name(f".{Path(path).name}.conform.tmp")
-    pq.write_table(pa.Table.from_arrays(columns, schema=schema), tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    table = pa.Table.from_arrays(columns, schema=schema)
+    part = Path(path)
+    replace_atomically(part, lambda tmp: pq.write_table(table, tmp), tmp=part.with_name(f".{part.name}.conform.tmp"))
 
 
 def _as_text(value: Any) -> str | None:

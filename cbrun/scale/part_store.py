@@ -19,7 +19,6 @@ dot-directories, so they read OUTPUT as one dataset.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from cbrun.data.atomic import replace_atomically
 from cbrun.scale.row_ranges import RowRanges
 
 META_DIR = ".cbrun"
@@ -156,16 +156,10 @@ class PartStore:
             raise StaleRunError(f"{self.root}: a newer run of this job has started; this worker's part is dropped")
 
     def _atomic(self, path: Path, write: Callable[[Path], object]) -> None:
+        """Write `path` whole, under a dot-name of its own (two attempts at one block never share it),
+        unless a newer run has started by the time it is on disk."""
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            write(tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            self._check_run()
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+        replace_atomically(path, write, tmp=tmp, before_replace=self._check_run)
 
     def _write_rows(self, tmp: Path, table_or_rows: Any) -> None:
         if self.kind == "parquet":
