@@ -14,7 +14,7 @@ from cbrun.models.errors import ModelLoadError
 # AttentionInterface with standard (optionally sliding-window) causal attention;
 # the engine swaps in its own paged attention for exactly these. gemma2 also
 # passes `softcap`, and all of them pass `scaling`, which the engine honours.
-# Each is parity-tested on a tiny model in tests/test_model_matrix.py (keep the two in step).
+# Each is parity-tested on a tiny model in tests/models/test_model_matrix.py (keep the two in step).
 # gemma3 is the multimodal checkpoint: its text decoder is kept (see _text_decoder in load.py).
 SUPPORTED_MODEL_TYPES = frozenset(
     {

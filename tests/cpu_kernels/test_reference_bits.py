@@ -1,6 +1,6 @@
 """The same bits on every CPU: a fixed job recomputed bitwise against a file written on another machine.
 
-tests/data/reference_bits.json holds the token ids and the logprobs' bit
+tests/fixtures/reference_bits.json holds the token ids and the logprobs' bit
 patterns of a fixed job (token-id prompts; greedy and seeded sampling; fp32 and
 bf16; the tiny Llama and, in the slow tier, SmolLM2-135M; the tiny Llama in int8
 W8A8 too), computed with the portable kernels. This test recomputes it on whatever CPU runs the suite and
@@ -9,7 +9,7 @@ must match the AVX-512 machine that wrote the file, and vice versa; in int8, the
 AVX2 variant (vpmaddwd) must match the VNNI or AMX one that wrote it.
 
 When the arithmetic changes on purpose, rewrite the file and say so in the
-commit: CBRUN_WRITE_REFERENCE=1 python -m pytest tests/test_reference_bits.py
+commit: CBRUN_WRITE_REFERENCE=1 python -m pytest tests/cpu_kernels/test_reference_bits.py
 (the real model's entries too: plain pytest runs the slow tier).
 """
 

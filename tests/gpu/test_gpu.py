@@ -5,7 +5,7 @@ Tests marked `gpu` need CUDA and skip without it (scripts/gpu_check.sh runs them
 Triton's interpreter, in a child process, so CI checks the backend's wiring (row plans, in-place page
 reads, chunked prefill over cached prefixes) without a GPU. The child is needed because TRITON_INTERPRET
 must be set before triton is first imported in a process, and torch or transformers may already have
-imported it here (see tests/test_triton_attention.py).
+imported it here (see tests/gpu/test_triton_attention.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ decodes mixed into the same steps, sliding windows and a prefix-cache hit,
 and must give `model.generate`'s greedy tokens and a plain forward's logprobs.
 
 `MATRIX` is also the source of the README's model table: run
-`python tests/test_model_matrix.py` to print it, and
+`python tests/models/test_model_matrix.py` to print it, and
 `test_readme_table_matches_the_matrix` keeps the two in step.
 """
 
@@ -322,7 +322,7 @@ def test_readme_table_matches_the_matrix():
     text = README.read_text()
     assert TABLE_START in text and TABLE_END in text, "README has no model-matrix markers"
     current = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
-    assert current == matrix_table(), "README's model table is stale: run `python tests/test_model_matrix.py`"
+    assert current == matrix_table(), "README's model table is stale: run `python tests/models/test_model_matrix.py`"
 
 
 if __name__ == "__main__":

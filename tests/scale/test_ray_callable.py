@@ -156,7 +156,7 @@ def test_a_job_wide_constraint_and_a_rows_own_both_give_the_structured_column(ti
     """Ray blocks share one schema, so the structured column is decided per job (issue 26): on with a
     job-wide constraint (the sampling's own turns it on), and on with structured=True (rows carrying their
     own constraints), where a block without constrained rows has the column too. (`cbrun generate --ray`
-    writes parts itself and brings them to one schema when the job ends: tests/test_ray_parts.py.)"""
+    writes parts itself and brings them to one schema when the job ends: tests/scale/test_ray_parts.py.)"""
     opts, engine = GenerateOptions(model=str(tiny_llama_dir)), EngineConfig(**ENGINE)
     with_column = CbrunFormat(structured=True).arrow_schema()
     free = [{"id": "free", "prompt": "anything", "choice": None}]
