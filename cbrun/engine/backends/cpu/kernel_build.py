@@ -35,7 +35,7 @@ _FLAGS = ["-O3", f"-march={_MARCH}", "-ffp-contract=fast", "-fopenmp", "-shared"
 # of a fused multiply-add, so a kernel's sums would round differently on an AMD and an Intel machine (measured:
 # the fp32 attention differed between -march=znver3 and -march=sapphirerapids builds). Form FMAs everywhere.
 _GCC_FLAGS = ["--param=avoid-fma-max-bits=0"]
-# Reported, not fatal, at a user's build; tests/test_linear_methods.py builds every source with -Werror.
+# Reported, not fatal, at a user's build; tests/cpu_kernels/test_linear_methods.py builds every source with -Werror.
 _WARNINGS = ["-Wall", "-Wextra", "-Wno-psabi"]
 
 

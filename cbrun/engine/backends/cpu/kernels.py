@@ -8,11 +8,9 @@
 - K/V writes copy each new token's rows straight to its slot.
 - Sampling computes argmax, log-sum-exp and the inverse-CDF draw of each
   logits row in one parallel pass, where torch needs several full passes.
-- Linear layers (fp32 or bf16 weights, fp32 accumulation) read their weights
-  in place; several weights sharing an input (q|k|v, gate|up with SiLU) go in
-  one pass.
-- RMSNorm (with the residual add) and rotary embeddings for the fused
-  decoder layers (fused_layers.py).
+- Linear layers read their weights in place (fp32 or bf16, fp32 sums); weights
+  sharing an input (q|k|v, gate|up with SiLU) go in one pass; LoRA deltas too.
+- RMSNorm (with the residual add) and rotary embeddings for fused_layers.py.
 
 Every kernel gives a row the same bits whatever else is in the call (batch
 invariance; see linear.c and attention.c for how).

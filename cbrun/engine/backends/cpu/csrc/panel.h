@@ -26,7 +26,7 @@
  * of accumulators mostly on the stack: right, but about ten times slower; it is never the default.)
  *
  * The width only regroups lanes: every output is the same chain at either width, so the 8- and
- * 16-wide builds give the same bits (tests/test_linear_widths.py). */
+ * 16-wide builds give the same bits (tests/cpu_kernels/test_linear_widths.py). */
 #ifndef CBRUN_PANEL_H
 #define CBRUN_PANEL_H
 
