@@ -83,3 +83,35 @@ def test_operands_the_call_cannot_take_are_refused():
     assert not kernels.lora.accepts(x, [y.t()])  # a column stride the call does not read: the caller falls back
     with pytest.raises(KernelError, match="unit-stride"):
         kernels.lora.apply(x, [(torch.tensor([0]), [(torch.randn(8, 32), torch.randn(8, 4))])], [y.t()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_8_and_16_lane_builds_give_the_same_bits(dtype):
+    """The register blocking differs by width (ranks and outputs per pass, two ymm per 16 lanes on AVX2); the
+    chains must not: odd row counts, ranks and widths off every block, a K tail."""
+    from cbrun.engine.backends.cpu.kernel_loader import build_kernels
+
+    try:
+        builds = [build_kernels((f"CBRUN_VEC_WIDTH={width}",)) for width in (8, 16)]
+    except Exception as exc:  # no compiler, or a failed build
+        pytest.skip(f"cannot build the CPU kernels here: {exc}")
+    gen = torch.Generator().manual_seed(11)
+    inner, tokens, widths = 93, 9, (200, 17, 64)
+    x = torch.randn(tokens, inner, generator=gen).to(dtype)
+    base = [torch.randn(tokens, n, generator=gen).to(dtype) for n in widths]
+    groups = [
+        (
+            torch.tensor(rows),
+            [(torch.randn(rank, inner, generator=gen), torch.randn(rank, n, generator=gen)) for n in widths],
+        )
+        for rows, rank in (([0, 2, 3, 5, 8], 7), ([1, 4, 6], 16), ([7], 5))
+    ]
+    outs = []
+    for build in builds:
+        ys = [y.clone() for y in base]
+        build.lora.apply(x, groups, ys)
+        outs.append(ys)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for narrow, wide in zip(*outs, strict=True):
+        assert torch.equal(narrow.view(bits), wide.view(bits))
+    assert not torch.equal(outs[0][0], base[0])
