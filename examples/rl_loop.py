@@ -3,6 +3,7 @@
     python examples/rl_loop.py                      # a tiny random model, built here (seconds; what CI runs)
     python examples/rl_loop.py --dtype bfloat16
     python examples/rl_loop.py --model smollm2-135m --iterations 3
+    python examples/rl_loop.py --lora                # train a rank-8 PEFT LoRA adapter instead of the weights
 
 Each iteration: sample n = 8 completions per prompt with logprobs, score them with a reward in plain
 Python, take a few PPO-clipped optimizer steps with torch on the trainer's copy of the same model (the
@@ -13,6 +14,11 @@ policy ratio exp(trainer - rollout) is exactly 1 on every token, and each iterat
 `on-policy max |ratio - 1|: 0.0`, in fp32 and bf16. At the end it asserts that the trainer gives the
 updated engine's samples their rollout logprobs bit for bit, and that the updated engine's tokens and
 logprobs equal a fresh engine's, loaded from the trained weights, bit for bit.
+
+With --lora the trainer is a PEFT LoRA model (the base frozen, A and B trained), the engine holds the
+adapter apart from the base (`enable_lora`; requests name it with `lora_request`), and each iteration ends
+with `llm.update_lora("policy", get_peft_model_state_dict(trainer))` instead of update_weights; the fresh
+engine at the end loads the adapter's saved PEFT directory. The ratio is exactly 1 there too.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from cbrun import LLM, SamplingParams
+from cbrun import LLM, LoRARequest, SamplingParams
 from cbrun.models import load_model
 from cbrun.training import ExactLogprobs
 
@@ -136,6 +142,27 @@ def train(exact: ExactLogprobs, optimizer, batch: Rollouts, steps: int, clip: fl
     return loss_value, gap
 
 
+class Policy:
+    """A PEFT LoRA adapter on every projection of the trainer's model, and how the engine is given it."""
+
+    name, lora_int_id = "policy", 1
+
+    def __init__(self, model, rank: int) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
+        self.model = get_peft_model(model, config)
+        self.request = LoRARequest(self.name, self.lora_int_id)
+
+    def sync(self, llm: LLM) -> None:
+        """The adapter's current A and B into the engine, in place: no file (added on the first call)."""
+        from peft import get_peft_model_state_dict
+
+        config = self.model.peft_config["default"].to_dict()
+        llm.update_lora(self.name, get_peft_model_state_dict(self.model), config=config, lora_int_id=self.lora_int_id)
+
+
 def fingerprint(outputs) -> list:
     return [(c.token_ids, [p[t].logprob for t, p in zip(c.token_ids, c.logprobs)]) for o in outputs for c in o.outputs]
 
@@ -148,21 +175,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per iteration")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter, not the full weights")
+    parser.add_argument("--lora-rank", type=int, default=8)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="cbrun-rl-") as scratch:
         scratch = Path(scratch)
         spec = args.model or str(build_tiny_model(scratch / "tiny"))
         lr = args.lr if args.lr is not None else (1e-3 if args.model is None else 1e-5)
-        llm = LLM(spec, dtype=args.dtype, seed=0)
         trainer, tokenizer = load_model(spec, dtype=args.dtype, device="cpu")  # the trainer's own copy
+        policy = Policy(trainer, args.lora_rank) if args.lora else None
+        if policy is not None:
+            trainer, lr = policy.model, (args.lr if args.lr is not None else 1e-2)
+        llm = LLM(spec, dtype=args.dtype, seed=0, enable_lora=args.lora, max_lora_rank=args.lora_rank)
+        sync = policy.sync if policy is not None else (lambda llm: llm.update_weights(trainer.state_dict()))
+        if policy is not None:
+            sync(llm)  # the engine holds the adapter as the trainer starts it
         exact = ExactLogprobs(trainer, args.dtype)  # its logprobs: the engine's arithmetic, with gradients
-        optimizer = torch.optim.Adam(trainer.parameters(), lr=lr)
+        optimizer = torch.optim.Adam([p for p in trainer.parameters() if p.requires_grad], lr=lr)
         params = SamplingParams(n=8, temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=1)
+        lora = policy.request if policy is not None else None
 
         for iteration in range(args.iterations):
             started = time.perf_counter()
-            outputs = llm.chat(PROMPTS, params, use_tqdm=False)
+            outputs = llm.chat(PROMPTS, params, use_tqdm=False, lora_request=lora)
             generated = time.perf_counter()
             rewards = [[reward(c.text) for c in out.outputs] for out in outputs]
             batch = Rollouts(outputs, rewards)
@@ -170,7 +206,7 @@ def main() -> None:
             loss, gap = train(exact, optimizer, batch, args.steps)
             llm.wake_up()
             trained = time.perf_counter()
-            llm.update_weights(trainer.state_dict())
+            sync(llm)
             updated = time.perf_counter()
             print(f"on-policy max |ratio - 1|: {gap}", flush=True)
             mean_reward = statistics.fmean(r for group in rewards for r in group)
@@ -181,19 +217,24 @@ def main() -> None:
                 flush=True,
             )
 
-        after_update = llm.chat(PROMPTS, params, use_tqdm=False)
+        after_update = llm.chat(PROMPTS, params, use_tqdm=False, lora_request=lora)
         with torch.no_grad():  # the updated engine's samples: the trainer gives them their rollout bits again
             batch = Rollouts(after_update, [[0.0] * len(out.outputs) for out in after_update])
             new = exact(batch.ids, batch.mask).logprobs
         assert torch.equal(new[batch.completion], batch.old[batch.completion]), "trainer and engine differ"
         trained_dir = scratch / "trained"
-        trainer.save_pretrained(trained_dir)
-        tokenizer.save_pretrained(trained_dir)
+        trainer.save_pretrained(trained_dir)  # with --lora: the adapter's PEFT directory
         llm.close()
-        with LLM(str(trained_dir), dtype=args.dtype, seed=0) as fresh:
-            assert fingerprint(after_update) == fingerprint(fresh.chat(PROMPTS, params, use_tqdm=False)), (
-                "the updated engine differs from a fresh engine with the trained weights"
-            )
+        if policy is None:
+            tokenizer.save_pretrained(trained_dir)
+            fresh = LLM(str(trained_dir), dtype=args.dtype, seed=0)
+        else:
+            fresh = LLM(spec, dtype=args.dtype, seed=0, enable_lora=True, max_lora_rank=args.lora_rank)
+            lora = LoRARequest(policy.name, policy.lora_int_id, str(trained_dir))
+        with fresh:
+            assert fingerprint(after_update) == fingerprint(
+                fresh.chat(PROMPTS, params, use_tqdm=False, lora_request=lora)
+            ), "the updated engine differs from a fresh engine with the trained weights"
         print("after the last update: tokens and logprobs equal a fresh engine's bit for bit")
 
 

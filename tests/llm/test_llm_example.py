@@ -1,5 +1,5 @@
-"""The RL examples run (issues 27, 34): examples/rl_loop.py on a tiny model in fp32 and bf16, exactly
-on-policy (and on the real one in the slow tier), and the shell pipeline
+"""The RL examples run (issues 27, 34, 48): examples/rl_loop.py on a tiny model in fp32 and bf16, training the
+weights or a LoRA adapter, exactly on-policy (SmolLM2 too), and the shell pipeline
 `cbrun generate ... | python examples/reward.py`."""
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ def run_rl_loop(*args: str) -> str:
 
 
 @pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
+@pytest.mark.parametrize("lora", [False, True], ids=["weights", "lora"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rl_loop_example_is_exactly_on_policy_and_equals_a_fresh_engine_on_a_tiny_model(dtype):
-    out = run_rl_loop("--dtype", dtype, "--iterations", "2", "--max-tokens", "8")
+def test_rl_loop_example_is_exactly_on_policy_and_equals_a_fresh_engine_on_a_tiny_model(dtype, lora):
+    out = run_rl_loop("--dtype", dtype, "--iterations", "2", "--max-tokens", "8", *(["--lora"] if lora else []))
     gaps = [line.rpartition(": ")[2] for line in out.splitlines() if line.startswith("on-policy max |ratio - 1|: ")]
     assert gaps == ["0.0", "0.0"], out  # the trainer's forward gives the rollout's bits (issue 34)
     assert "equal a fresh engine's bit for bit" in out
