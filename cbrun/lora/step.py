@@ -24,8 +24,8 @@ for every other linear.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -46,14 +46,18 @@ class AdaptedLinear(Protocol):
 
 class GroupedDeltas(Protocol):
     """A backend's one-call LoRA arithmetic (on CPU lora_kernels.LoraKernels): ys[m] [T, N_m] += B_m (A_m x) on
-    each group's rows of x [T, K], per member m the group's (A [r, K], B^T [r, N_m]) or None."""
+    each group's rows of x [T, K], per member m the group's (A [r, K], B^T [r, N_m]) or None. `plan` lays out a
+    step's rows by group once for all its calls."""
 
     def accepts(self, x: torch.Tensor, ys: Sequence[torch.Tensor]) -> bool: ...
 
-    def apply(
+    def plan(self, group_rows: Sequence[torch.Tensor], tokens: int) -> Any: ...
+
+    def apply_planned(
         self,
         x: torch.Tensor,
-        groups: Sequence[tuple[torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor] | None]]],
+        plan: Any,
+        pairs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]],
         ys: Sequence[torch.Tensor],
     ) -> None: ...
 
@@ -72,6 +76,7 @@ class StepLoRA:
     groups: Sequence[tuple[RowsAdapter, torch.Tensor]]
     num_tokens: int  # the step's T: every adapted linear's input has this many rows
     grouped: GroupedDeltas | None = None  # the backend's one-call arithmetic, where it has one
+    _plan: Any = field(default=None, init=False, repr=False)  # grouped.plan of the step's rows, made at first use
 
     def adapts(self, *modules: torch.nn.Module) -> bool:
         """Whether any adapter of the step adapts any of `modules`."""
@@ -86,17 +91,21 @@ class StepLoRA:
         """ys[m] [T, N_m] += each adapter's delta of modules[m] on its rows of x [T, K], for members that read the
         same x (q|k|v: one call for all of them and every adapter, where the backend has the call)."""
         self._check(x)
+        if self.grouped is not None and x.device.type == "cpu" and self.grouped.accepts(x, ys):
+            if self._plan is None:
+                self._plan = self.grouped.plan([rows for _, rows in self.groups], self.num_tokens)
+            pairs = [
+                [None if (lin := adapter.linears.get(module)) is None else (lin.a, lin.bt) for module in modules]
+                for adapter, _ in self.groups
+            ]  # every group, so the one plan serves every call (a group of no pair is skipped)
+            if any(pair is not None for group in pairs for pair in group):
+                self.grouped.apply_planned(x, self._plan, pairs, ys)
+            return
         groups = [
             (rows, [adapter.linears.get(module) for module in modules])
             for adapter, rows in self.groups
             if any(module in adapter.linears for module in modules)
         ]
-        if not groups:
-            return
-        if self.grouped is not None and x.device.type == "cpu" and self.grouped.accepts(x, ys):
-            pairs = [(rows, [None if lin is None else (lin.a, lin.bt) for lin in linears]) for rows, linears in groups]
-            self.grouped.apply(x, pairs, ys)
-            return
         for rows, linears in groups:
             rows = rows.to(x.device)
             picked = x if len(rows) == self.num_tokens else x.index_select(0, rows)  # the whole step: no gathering

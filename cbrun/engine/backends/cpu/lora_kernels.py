@@ -9,15 +9,26 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.backends.cpu.kernel_abi import KernelError, check, ptr, threads
+from cbrun.engine.backends.cpu.kernel_abi import KernelError, check, threads
 
 # Per group: its rows [n] int64 (ascending) and, per member, (A [r, K], B^T [r, N]) fp32 or None.
 LoraGroup = tuple[torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor] | None]]
 
 _FLOATS = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """One step's rows by adapter as lora_apply reads them (LoraKernels.plan): made once per step."""
+
+    rows: torch.Tensor  # [n] int64, group by group
+    start: ctypes.Array[ctypes.c_int64]  # [groups + 1]: group g holds rows[start[g] .. start[g + 1])
+    groups: int
+    tokens: int  # the step's T: every x and y of its calls has this many rows
 
 
 class LoraKernels:
@@ -31,65 +42,86 @@ class LoraKernels:
 
     def accepts(self, x: torch.Tensor, ys: Sequence[torch.Tensor]) -> bool:
         """Whether `apply` takes these operands as they lie (else the caller computes the deltas itself)."""
-        return (
-            x.dim() == 2
-            and x.dtype in _FLOATS
-            and x.stride(1) == 1
-            and 1 <= len(ys) <= self.MAX_MEMBERS
-            and all(
-                y.dim() == 2 and y.dtype == ys[0].dtype and y.dtype in _FLOATS and y.stride(1) == 1 and len(y) == len(x)
-                for y in ys
-            )
+        if x.dim() != 2 or x.dtype not in _FLOATS or x.stride(1) != 1 or not 1 <= len(ys) <= self.MAX_MEMBERS:
+            return False
+        tokens, dtype = x.shape[0], ys[0].dtype
+        return dtype in _FLOATS and all(
+            y.dim() == 2 and y.dtype == dtype and y.stride(1) == 1 and y.shape[0] == tokens for y in ys
         )
+
+    def plan(self, group_rows: Sequence[torch.Tensor], tokens: int) -> LoraRows:
+        """A step's rows by adapter, checked and laid out once for all its calls: group_rows[g] [n_g] int64, each
+        in 0 .. tokens - 1."""
+        rows = torch.cat([r.to(torch.int64) for r in group_rows]) if group_rows else torch.zeros(0, dtype=torch.long)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= tokens):
+            raise KernelError(f"lora_apply: a row outside the step's {tokens}")
+        start = [0]
+        for r in group_rows:
+            start.append(start[-1] + r.shape[0])
+        return LoraRows(rows.contiguous(), (ctypes.c_int64 * len(start))(*start), len(group_rows), tokens)
 
     def apply(self, x: torch.Tensor, groups: Sequence[LoraGroup], ys: Sequence[torch.Tensor]) -> None:
         """ys[m] [T, N_m] += each group's delta B_m (A_m x) on its rows of x [T, K], for every member m it adapts."""
+        self.apply_planned(x, self.plan([r for r, _ in groups], x.shape[0]), [p for _, p in groups], ys)
+
+    def apply_planned(
+        self,
+        x: torch.Tensor,
+        plan: LoraRows,
+        pairs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]],
+        ys: Sequence[torch.Tensor],
+    ) -> None:
+        """`apply` on a step's plan, pairs[g] the per-member (A, B^T) or None of its group g. Called per layer and
+        member set of every step with adapters, so it keeps to a few Python operations per operand."""
         if not self.accepts(x, ys):
             raise KernelError("lora_apply: x [T, K] and every y [T, N] of one float dtype, with unit-stride rows")
-        members, inner = len(ys), x.shape[1]
-        rows = torch.cat([r.to(torch.long) for r, _ in groups]).contiguous()
-        start = [0]
+        members, (tokens, inner) = len(ys), x.shape
+        if tokens != plan.tokens or len(pairs) != plan.groups:
+            raise KernelError(
+                f"lora_apply: x has {tokens} rows and {len(pairs)} groups, the plan {plan.tokens} and {plan.groups}"
+            )
         a_ptrs: list[int | None] = []
         bt_ptrs: list[int | None] = []
         ranks: list[int] = []
-        for group_rows, pairs in groups:
-            start.append(start[-1] + len(group_rows))
-            if len(pairs) != members:
-                raise KernelError(f"lora_apply: a group with {len(pairs)} members for {members} outputs")
-            for m, pair in enumerate(pairs):
+        widths = [y.shape[1] for y in ys]
+        for group in pairs:
+            if len(group) != members:
+                raise KernelError(f"lora_apply: a group with {len(group)} members for {members} outputs")
+            for pair, width in zip(group, widths):
                 if pair is None:
                     a_ptrs.append(None)
                     bt_ptrs.append(None)
                     ranks.append(0)
                     continue
                 a, bt = pair
+                rank = a.shape[0]
                 if (
                     a.dtype != torch.float32
                     or bt.dtype != torch.float32
-                    or not (a.is_contiguous() and bt.is_contiguous())
                     or a.shape[1] != inner
-                    or bt.shape != (a.shape[0], ys[m].shape[1])
+                    or bt.shape != (rank, width)
+                    or not (a.is_contiguous() and bt.is_contiguous())
                 ):
                     raise KernelError("lora_apply: A [r, K] and B^T [r, N] must be contiguous fp32 fitting x and y")
-                a_ptrs.append(ptr(a))
-                bt_ptrs.append(ptr(bt))
-                ranks.append(a.shape[0])
-        count = len(groups) * members
+                a_ptrs.append(a.data_ptr())
+                bt_ptrs.append(bt.data_ptr())
+                ranks.append(rank)
+        count = plan.groups * members
         status = self._lib.lora_apply(
-            ptr(x),
+            x.data_ptr(),
             int(x.dtype == torch.bfloat16),
-            x.stride(0) if len(x) > 1 else inner,
+            x.stride(0) if tokens > 1 else inner,
             inner,
-            ptr(rows),
-            (ctypes.c_int64 * len(start))(*start),
-            len(groups),
+            plan.rows.data_ptr(),
+            plan.start,
+            plan.groups,
             (ctypes.c_void_p * count)(*a_ptrs),
             (ctypes.c_void_p * count)(*bt_ptrs),
             (ctypes.c_int64 * count)(*ranks),
             members,
-            (ctypes.c_void_p * members)(*(ptr(y) for y in ys)),
-            (ctypes.c_int64 * members)(*(y.stride(0) if len(y) > 1 else y.shape[1] for y in ys)),
-            (ctypes.c_int64 * members)(*(y.shape[1] for y in ys)),
+            (ctypes.c_void_p * members)(*(y.data_ptr() for y in ys)),
+            (ctypes.c_int64 * members)(*(y.stride(0) if tokens > 1 else y.shape[1] for y in ys)),
+            (ctypes.c_int64 * members)(*widths),
             int(ys[0].dtype == torch.bfloat16),
             threads(),
         )
