@@ -88,6 +88,8 @@ class LoRAAdapters:
         self._changes = 0  # loads and updates so far: each gives an adapter a salt never used before
         self._active: StepLoRA | None = None  # the step being computed (for the hooks)
         self._hooks: dict[torch.nn.Module, Any] = {}  # module -> its forward hook's handle
+        # the grouped call's packed operands, by the step's adapters in order, then member set; any change clears it
+        self._packed: dict[tuple[str, ...], dict[tuple[torch.nn.Module, ...], Any]] = {}
         output_head = getattr(model, "get_output_embeddings", None)
         self._head = output_head() if callable(output_head) else None
 
@@ -125,6 +127,7 @@ class LoRAAdapters:
         )
         adapter.salt = self._new_salt(name)
         self.adapters[name] = adapter
+        self._packed.clear()
         self._sync_hooks()
         return adapter
 
@@ -144,6 +147,7 @@ class LoRAAdapters:
             updates[module] = self._linear(a, b, adapter.config.scaling(module_name, a.shape[0]))
         adapter.linears.update(updates)
         adapter.salt = self._new_salt(name)
+        self._packed.clear()
 
     def salt(self, name: str | None) -> bytes | None:
         """The prefix-cache salt of requests running adapter `name` (None for the base model)."""
@@ -155,12 +159,14 @@ class LoRAAdapters:
 
     def remove(self, name: str) -> bool:
         removed = self.adapters.pop(name, None) is not None
+        self._packed.clear()
         self._sync_hooks()
         return removed
 
     def close(self) -> None:
         """Take every hook off the model and drop the adapters."""
         self.adapters.clear()
+        self._packed.clear()
         self._sync_hooks()
 
     def _next_id(self, name: str) -> int:
@@ -206,12 +212,12 @@ class LoRAAdapters:
     # -- steps ----------------------------------------------------------------------------
     def step(self, rows: Mapping[str, Sequence[int]], num_tokens: int) -> StepLoRA | None:
         """The step's StepLoRA from each adapter's token rows (None when no row runs an adapter)."""
-        groups = [
-            (self.adapters[name], torch.tensor(list(indices), dtype=torch.long))
-            for name, indices in rows.items()
-            if indices and self.adapters[name].linears
-        ]
-        return StepLoRA(groups, num_tokens, self.grouped) if groups else None
+        names = tuple(name for name, indices in rows.items() if indices and self.adapters[name].linears)
+        if not names:
+            return None
+        groups = [(self.adapters[name], torch.tensor(list(rows[name]), dtype=torch.long)) for name in names]
+        packed = self._packed.setdefault(names, {}) if self.grouped is not None else None
+        return StepLoRA(groups, num_tokens, self.grouped, packed)
 
     @contextmanager
     def active(self, step: StepLoRA | None):  # type: ignore[no-untyped-def]

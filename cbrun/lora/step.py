@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+_NOTHING = object()  # a member set no adapter of the step adapts (packed as this)
 LORA_KWARG = "cbrun_lora"  # the step's StepLoRA, passed to the model's forward with the batch (when any row has one)
 
 
@@ -47,19 +48,17 @@ class AdaptedLinear(Protocol):
 class GroupedDeltas(Protocol):
     """A backend's one-call LoRA arithmetic (on CPU lora_kernels.LoraKernels): ys[m] [T, N_m] += B_m (A_m x) on
     each group's rows of x [T, K], per member m the group's (A [r, K], B^T [r, N_m]) or None. `plan` lays out a
-    step's rows by group once for all its calls."""
+    step's rows by group once for all its calls, `pack` a member set's adapters once while they stay the same."""
 
     def accepts(self, x: torch.Tensor, ys: Sequence[torch.Tensor]) -> bool: ...
 
     def plan(self, group_rows: Sequence[torch.Tensor], tokens: int) -> Any: ...
 
-    def apply_planned(
-        self,
-        x: torch.Tensor,
-        plan: Any,
-        pairs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]],
-        ys: Sequence[torch.Tensor],
-    ) -> None: ...
+    def pack(
+        self, pairs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]], inner: int, widths: Sequence[int]
+    ) -> Any: ...
+
+    def apply_packed(self, x: torch.Tensor, plan: Any, operands: Any, ys: Sequence[torch.Tensor]) -> None: ...
 
 
 class RowsAdapter(Protocol):
@@ -76,6 +75,7 @@ class StepLoRA:
     groups: Sequence[tuple[RowsAdapter, torch.Tensor]]
     num_tokens: int  # the step's T: every adapted linear's input has this many rows
     grouped: GroupedDeltas | None = None  # the backend's one-call arithmetic, where it has one
+    packed: dict[tuple[torch.nn.Module, ...], Any] | None = None  # grouped.pack by member set, kept by the owner
     _plan: Any = field(default=None, init=False, repr=False)  # grouped.plan of the step's rows, made at first use
 
     def adapts(self, *modules: torch.nn.Module) -> bool:
@@ -94,12 +94,19 @@ class StepLoRA:
         if self.grouped is not None and x.device.type == "cpu" and self.grouped.accepts(x, ys):
             if self._plan is None:
                 self._plan = self.grouped.plan([rows for _, rows in self.groups], self.num_tokens)
-            pairs = [
-                [None if (lin := adapter.linears.get(module)) is None else (lin.a, lin.bt) for module in modules]
-                for adapter, _ in self.groups
-            ]  # every group, so the one plan serves every call (a group of no pair is skipped)
-            if any(pair is not None for group in pairs for pair in group):
-                self.grouped.apply_planned(x, self._plan, pairs, ys)
+            key = tuple(modules)
+            operands = self.packed.get(key) if self.packed is not None else None
+            if operands is None:
+                pairs = [
+                    [None if (lin := adapter.linears.get(module)) is None else (lin.a, lin.bt) for module in modules]
+                    for adapter, _ in self.groups
+                ]  # every group, so the one plan serves every call (a group of no pair is skipped)
+                adapted = any(pair is not None for group in pairs for pair in group)
+                operands = self.grouped.pack(pairs, x.shape[1], [y.shape[1] for y in ys]) if adapted else _NOTHING
+                if self.packed is not None:
+                    self.packed[key] = operands
+            if operands is not _NOTHING:
+                self.grouped.apply_packed(x, self._plan, operands, ys)
             return
         groups = [
             (rows, [adapter.linears.get(module) for module in modules])

@@ -15,8 +15,9 @@ import torch
 
 from cbrun.engine.backends.cpu.kernel_abi import KernelError, check, threads
 
-# Per group: its rows [n] int64 (ascending) and, per member, (A [r, K], B^T [r, N]) fp32 or None.
-LoraGroup = tuple[torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor] | None]]
+Pair = tuple[torch.Tensor, torch.Tensor]  # (A [r, K], B^T [r, N]) fp32, contiguous
+# Per group: its rows [n] int64 (ascending) and, per member, its pair or None.
+LoraGroup = tuple[torch.Tensor, Sequence[Pair | None]]
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -29,6 +30,20 @@ class LoraRows:
     start: ctypes.Array[ctypes.c_int64]  # [groups + 1]: group g holds rows[start[g] .. start[g + 1])
     groups: int
     tokens: int  # the step's T: every x and y of its calls has this many rows
+
+
+@dataclass(frozen=True)
+class LoraOperands:
+    """The adapters of a step's groups for one member set, as lora_apply reads them (LoraKernels.pack)."""
+
+    pairs: tuple[tuple[Pair | None, ...], ...]  # [groups][members]: held, so the pointers below stay valid
+    inner: int  # K
+    widths: tuple[int, ...]  # N per member
+    groups: int
+    a: ctypes.Array[ctypes.c_void_p]  # [groups * members] A's data, NULL where a group leaves a member
+    bt: ctypes.Array[ctypes.c_void_p]  # [groups * members] B^T's data
+    ranks: ctypes.Array[ctypes.c_int64]  # [groups * members]
+    width_array: ctypes.Array[ctypes.c_int64]  # [members]
 
 
 class LoraKernels:
@@ -62,28 +77,16 @@ class LoraKernels:
 
     def apply(self, x: torch.Tensor, groups: Sequence[LoraGroup], ys: Sequence[torch.Tensor]) -> None:
         """ys[m] [T, N_m] += each group's delta B_m (A_m x) on its rows of x [T, K], for every member m it adapts."""
-        self.apply_planned(x, self.plan([r for r, _ in groups], x.shape[0]), [p for _, p in groups], ys)
+        plan = self.plan([r for r, _ in groups], x.shape[0])
+        self.apply_packed(x, plan, self.pack([p for _, p in groups], x.shape[1], [y.shape[1] for y in ys]), ys)
 
-    def apply_planned(
-        self,
-        x: torch.Tensor,
-        plan: LoraRows,
-        pairs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]],
-        ys: Sequence[torch.Tensor],
-    ) -> None:
-        """`apply` on a step's plan, pairs[g] the per-member (A, B^T) or None of its group g. Called per layer and
-        member set of every step with adapters, so it keeps to a few Python operations per operand."""
-        if not self.accepts(x, ys):
-            raise KernelError("lora_apply: x [T, K] and every y [T, N] of one float dtype, with unit-stride rows")
-        members, (tokens, inner) = len(ys), x.shape
-        if tokens != plan.tokens or len(pairs) != plan.groups:
-            raise KernelError(
-                f"lora_apply: x has {tokens} rows and {len(pairs)} groups, the plan {plan.tokens} and {plan.groups}"
-            )
+    def pack(self, pairs: Sequence[Sequence[Pair | None]], inner: int, widths: Sequence[int]) -> LoraOperands:
+        """The per-group, per-member (A [r, K], B^T [r, N_m]) or None of a set of members, checked and laid out
+        once for every step that runs these adapters (the caller keeps it while the adapters stay unchanged)."""
+        members = len(widths)
         a_ptrs: list[int | None] = []
         bt_ptrs: list[int | None] = []
         ranks: list[int] = []
-        widths = [y.shape[1] for y in ys]
         for group in pairs:
             if len(group) != members:
                 raise KernelError(f"lora_apply: a group with {len(group)} members for {members} outputs")
@@ -98,15 +101,38 @@ class LoraKernels:
                 if (
                     a.dtype != torch.float32
                     or bt.dtype != torch.float32
+                    or a.dim() != 2
                     or a.shape[1] != inner
                     or bt.shape != (rank, width)
+                    or not 1 <= rank <= self.max_rank
                     or not (a.is_contiguous() and bt.is_contiguous())
                 ):
                     raise KernelError("lora_apply: A [r, K] and B^T [r, N] must be contiguous fp32 fitting x and y")
                 a_ptrs.append(a.data_ptr())
                 bt_ptrs.append(bt.data_ptr())
                 ranks.append(rank)
-        count = plan.groups * members
+        count = len(pairs) * members
+        return LoraOperands(
+            tuple(tuple(group) for group in pairs),
+            inner,
+            tuple(widths),
+            len(pairs),
+            (ctypes.c_void_p * count)(*a_ptrs),
+            (ctypes.c_void_p * count)(*bt_ptrs),
+            (ctypes.c_int64 * count)(*ranks),
+            (ctypes.c_int64 * members)(*widths),
+        )
+
+    def apply_packed(self, x: torch.Tensor, plan: LoraRows, operands: LoraOperands, ys: Sequence[torch.Tensor]) -> None:
+        """`apply` on a step's plan and packed operands. Called per layer and member set of every step with
+        adapters, so it keeps to a few Python operations per operand."""
+        if not self.accepts(x, ys):
+            raise KernelError("lora_apply: x [T, K] and every y [T, N] of one float dtype, with unit-stride rows")
+        members, (tokens, inner) = len(ys), x.shape
+        if tokens != plan.tokens or operands.groups != plan.groups:
+            raise KernelError(f"lora_apply: x has {tokens} rows, the plan {plan.tokens}; or its groups differ")
+        if inner != operands.inner or tuple(y.shape[1] for y in ys) != operands.widths:
+            raise KernelError(f"lora_apply: x [.., {inner}] and y widths do not fit the packed adapters")
         status = self._lib.lora_apply(
             x.data_ptr(),
             int(x.dtype == torch.bfloat16),
@@ -115,13 +141,13 @@ class LoraKernels:
             plan.rows.data_ptr(),
             plan.start,
             plan.groups,
-            (ctypes.c_void_p * count)(*a_ptrs),
-            (ctypes.c_void_p * count)(*bt_ptrs),
-            (ctypes.c_int64 * count)(*ranks),
+            operands.a,
+            operands.bt,
+            operands.ranks,
             members,
             (ctypes.c_void_p * members)(*(y.data_ptr() for y in ys)),
             (ctypes.c_int64 * members)(*(y.stride(0) if tokens > 1 else y.shape[1] for y in ys)),
-            (ctypes.c_int64 * members)(*widths),
+            operands.width_array,
             int(ys[0].dtype == torch.bfloat16),
             threads(),
         )
