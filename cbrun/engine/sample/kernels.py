@@ -23,6 +23,11 @@ class SamplingKernels(Protocol):
         with a negative `uniform` (float64) takes the argmax, the others invert the CDF at their number."""
         ...
 
+    def top_p_counts(self, sorted_logprobs: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+        """Per row of log-probs sorted descending [n, V] fp32 and top_p [n] fp32: how many leading tokens top-p
+        keeps [n] int64, summed in an order no CPU changes."""
+        ...
+
     def apply_token_masks(self, logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
         """Set to -inf, in place, the logits of `rows` [r] (int64) whose bit in `masks` [r, W] (int32) is 0."""
         ...

@@ -24,6 +24,7 @@ end (top-k alternatives, when asked for, add one more).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -175,7 +176,7 @@ def _sample_with_kernel(logits: torch.Tensor, requests: Sequence[Request], kerne
     if filtered_rows:
         rows = torch.tensor(filtered_rows)
         row_logprobs = logits[rows] * inv_temp[rows, None] - normalizer[rows, None]  # [n, V]
-        chosen[rows] = _sample_rows(row_logprobs, [requests[i] for i in filtered_rows])
+        chosen[rows] = _draw_filtered(row_logprobs, [requests[i] for i in filtered_rows], kernels)
     token_logprobs = logits.gather(1, chosen[:, None])[:, 0] * inv_temp - normalizer  # [N]
     top = None
     if any(p.top_logprobs for p in params):
@@ -184,18 +185,9 @@ def _sample_with_kernel(logits: torch.Tensor, requests: Sequence[Request], kerne
 
 
 def _sample_rows(logprobs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Filter ([n, V] log-probs) by top-k, top-p, min-p, then invert the CDF."""
-    params = [r.sampling for r in requests]
+    """Filter ([n, V] log-probs) by top-k, top-p, min-p, then invert the CDF (torch: any device)."""
     device = logprobs.device
-    filtered = logprobs
-    if any(p.top_k > 0 for p in params):
-        filtered = _apply_top_k(filtered, [p.top_k for p in params])
-    if any(p.top_p < 1.0 for p in params):
-        filtered = _apply_top_p(filtered, [p.top_p for p in params])
-    if any(p.min_p > 0 for p in params):
-        threshold = _on(device, [p.min_p for p in params]).log()  # [n]
-        best = filtered.max(dim=-1, keepdim=True).values
-        filtered = filtered.masked_fill(filtered < best + threshold[:, None], float("-inf"))
+    filtered = _filter(logprobs, [r.sampling for r in requests])
     probs = filtered.exp_() if filtered is not logprobs else filtered.exp()  # unnormalized when filtered
     cdf = torch.cumsum(probs, dim=-1)  # [n, V]
     draws = _on(device, [uniform_for(r.seed, r.sample_index, r.num_tokens) for r in requests], cdf.dtype)  # [n]
@@ -205,6 +197,33 @@ def _sample_rows(logprobs: torch.Tensor, requests: list[Request]) -> torch.Tenso
     # never land on a filtered-out token (possible only at float edges); no host round trip to ask whether
     dead = probs.gather(1, picked[:, None])[:, 0] == 0  # [n]
     return torch.where(dead, probs.argmax(dim=-1), picked)
+
+
+def _draw_filtered(logprobs: torch.Tensor, requests: list[Request], kernels: SamplingKernels) -> torch.Tensor:
+    """The compiled path's filtered draw ([n, V] fp32 log-probs -> [n] token ids): cuts that no CPU moves (top-k's
+    k-th value, top-p's cut summed by sampling.c, min-p's threshold from the row's maximum), then the kernel's
+    own inverse-CDF draw over the kept tokens. torch's exp, softmax and cumsum vectorize by the CPU's ISA, so
+    their last bits (and a seeded draw near a boundary) would differ between an AVX2 and an AVX-512 machine."""
+    filtered = _filter(logprobs, [r.sampling for r in requests], kernels).contiguous()
+    draws = torch.tensor([uniform_for(r.seed, r.sample_index, r.num_tokens) for r in requests], dtype=torch.float64)
+    token, _ = kernels.sample(filtered, torch.ones(len(requests)), draws)
+    return token
+
+
+def _filter(
+    logprobs: torch.Tensor, params: Sequence[SamplingParams], kernels: SamplingKernels | None = None
+) -> torch.Tensor:
+    """[n, V] log-probs with the tokens that top-k, top-p and min-p drop at -inf (a new tensor if any drop)."""
+    filtered = logprobs
+    if any(p.top_k > 0 for p in params):
+        filtered = _apply_top_k(filtered, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        filtered = _apply_top_p(filtered, [p.top_p for p in params], kernels)
+    if any(p.min_p > 0 for p in params):
+        threshold = _on(logprobs.device, [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params])  # [n]
+        best = filtered.max(dim=-1, keepdim=True).values
+        filtered = filtered.masked_fill(filtered < best + threshold[:, None], float("-inf"))
+    return filtered
 
 
 def _apply_top_k(logprobs: torch.Tensor, ks: list[int]) -> torch.Tensor:
@@ -217,15 +236,17 @@ def _apply_top_k(logprobs: torch.Tensor, ks: list[int]) -> torch.Tensor:
     return logprobs.masked_fill((logprobs < kth) & ~keep_all, float("-inf"))
 
 
-def _apply_top_p(logprobs: torch.Tensor, ps: list[float]) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches p."""
-    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
-    probs = torch.softmax(sorted_lp, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, V]
-    drop_sorted = mass_before >= _on(logprobs.device, ps, probs.dtype)[:, None]
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return logprobs.masked_fill(drop, float("-inf"))
+def _apply_top_p(logprobs: torch.Tensor, ps: list[float], kernels: SamplingKernels | None = None) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches p (and every token tied with its last)."""
+    sorted_lp = torch.sort(logprobs, dim=-1, descending=True).values  # [n, V]: the same values whatever ties' order
+    if kernels is not None and logprobs.device.type == "cpu":
+        counts = kernels.top_p_counts(sorted_lp, torch.tensor(ps, dtype=torch.float32))  # [n]
+    else:
+        probs = torch.softmax(sorted_lp, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, V]
+        counts = (mass_before < _on(logprobs.device, ps, probs.dtype)[:, None]).sum(dim=-1).clamp_(min=1)
+    kth = sorted_lp.gather(1, (counts - 1)[:, None])  # [n, 1] the last kept value
+    return logprobs.masked_fill(logprobs < kth, float("-inf"))
 
 
 def _top_alternatives(

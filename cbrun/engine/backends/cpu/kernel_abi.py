@@ -245,6 +245,7 @@ SIGNATURES = {
     # sampling.c
     "sample_rows_f32": (None, [ctypes.POINTER(SampleParams)]),
     "apply_token_masks": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _INT]),
+    "top_p_counts_f32": (None, [_P, _I64, _P, _P, _I64, _I64, _P, _INT]),
     # linear.c
     "linear_rows": _DENSE,
     "linear_max_segments": (_INT, []),

@@ -41,7 +41,6 @@ from cbrun.engine.backends.cpu.kernel_abi import (
     KernelError,
     KvWriteParams,
     RmsnormParams,
-    SampleParams,
     check,
     head_rows,
     is_bf16,
@@ -53,13 +52,15 @@ from cbrun.engine.backends.cpu.kernel_abi import (
 )
 from cbrun.engine.backends.cpu.lora_kernels import LoraKernels
 from cbrun.engine.backends.cpu.pair_dot_kernels import LINEAR_DTYPES, PairDotKernels
+from cbrun.engine.backends.cpu.sampling_calls import SamplingCalls
 from cbrun.engine.backends.metadata import PagedRows
 
 
-class CpuKernels:
-    """ctypes bindings of the compiled kernels: paged attention, K/V writes, sampling, linear layers,
-    and the fused decoder layers' norm, rotary and activation. The packed linears are parts of their own:
-    `dp` (pair_dot_kernels.py: bf16 pairs) and `int8` (int8_kernels.py)."""
+class CpuKernels(SamplingCalls):
+    """ctypes bindings of the compiled kernels: paged attention, K/V writes, linear layers, and the fused
+    decoder layers' norm, rotary and activation; sampling's calls come from SamplingCalls. The packed linears
+    and LoRA are parts of their own: `dp` (pair_dot_kernels.py: bf16 pairs), `int8` (int8_kernels.py) and
+    `lora` (lora_kernels.py)."""
 
     _ATTEND: ClassVar[dict[torch.dtype, str]] = {torch.float32: "paged_attend_f32", torch.bfloat16: "paged_attend_bf16"}
     MAX_GROUP = 64  # query heads per kv head (MAX_G in attention.c)
@@ -189,34 +190,6 @@ class CpuKernels:
         )
         self._lib.paged_write(ctypes.byref(params))
 
-    def sample(
-        self, logits: torch.Tensor, inv_temp: torch.Tensor, uniform: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row of fp32 `logits` [N, V]: (token [N] int64, logsumexp(logits * inv_temp) [N] fp32).
-
-        Rows with a negative `uniform` (float64) take the argmax; the others
-        draw from softmax(logits * inv_temp) by inverting the CDF at their number.
-        """
-        rows, vocab = logits.shape
-        count = threads()
-        token = torch.empty(rows, dtype=torch.int64)
-        normalizer = torch.empty(rows, dtype=torch.float32)
-        scratch = torch.empty(count * vocab, dtype=torch.float32)
-        params = SampleParams(
-            logits=ptr(logits),
-            inv_temp=ptr(inv_temp),
-            uniform=ptr(uniform),
-            token=ptr(token),
-            normalizer=ptr(normalizer),
-            scratch=ptr(scratch),
-            N=rows,
-            V=vocab,
-            row_stride=logits.stride(0),
-            threads=count,
-        )
-        self._lib.sample_rows_f32(ctypes.byref(params))
-        return token, normalizer
-
     def linear(
         self,
         x: torch.Tensor,
@@ -304,31 +277,6 @@ class CpuKernels:
         if scratch is None or scratch.numel() < needed:
             scratch = self._local.panels = torch.empty(needed, dtype=torch.float32)
         return scratch
-
-    def apply_token_masks(self, logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
-        """In place: logits [N, V] fp32 (unit stride along V) get -inf at every token a row's packed mask
-        (masks [r, W] int32, bit t % 32 of word t / 32) disallows, in rows [r] int64 only."""
-        if (
-            logits.dtype != torch.float32
-            or logits.stride(1) != 1
-            or masks.dtype != torch.int32
-            or not masks.is_contiguous()
-            or rows.dtype != torch.int64
-            or masks.shape[0] != rows.numel()
-        ):
-            raise KernelError("apply_token_masks: fp32 logits with unit stride, int32 masks [r, W], int64 rows [r]")
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]):
-            raise KernelError("apply_token_masks: a row index outside the logits")
-        self._lib.apply_token_masks(
-            ptr(logits),
-            logits.stride(0),
-            ptr(rows),
-            ptr(masks),
-            rows.numel(),
-            masks.shape[1],
-            logits.shape[1],
-            threads(),
-        )
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for fp32 [T, N] inputs (unit stride along N), in one pass -> [T, N]."""

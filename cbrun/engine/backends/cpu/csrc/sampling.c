@@ -78,3 +78,33 @@ void apply_token_masks(float* logits, int64_t ld, const int64_t* rows, const int
     }
   }
 }
+
+/* Top-p's cut, one row of log-probs sorted in descending order per sequence: count[r] = the smallest c >= 1
+ * with sum_{i < c} exp(lp[i]) >= p[r] * sum_i exp(lp[i]) (V if none), the number of leading tokens top-p keeps.
+ * exp is exp8 lane by lane (the tail padded into one more vector) and the sums run in double in index order,
+ * so the cut is the same on every CPU and build; torch's exp and softmax are not (their vector widths differ). */
+void top_p_counts_f32(const float* lp, int64_t ld, const float* p, int64_t* count, int64_t N, int64_t V,
+                      float* scratch, int threads) {
+  _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
+  for (int64_t r = 0; r < N; ++r) {
+    const float* x = lp + r * ld;
+    float* e = scratch + (int64_t)omp_get_thread_num() * (V + 8);
+    for (int64_t i = 0; i < V; i += 8) {
+      float lane[8];
+      for (int l = 0; l < 8; ++l) lane[l] = i + l < V ? x[i + l] : -INFINITY;
+      store_f32(e + i, exp8(load_f32(lane)));
+      for (int l = 0; l < 8 && i + l < V; ++l)
+        if (lane[l] == -INFINITY) e[i + l] = 0.f; /* a dropped token (exp8 clamps its input) */
+    }
+    double total = 0.0;
+    for (int64_t i = 0; i < V; ++i) total += e[i];
+    const double target = (double)p[r] * total;
+    double before = 0.0;
+    int64_t c = 1;
+    for (; c < V; ++c) {
+      before += e[c - 1];
+      if (before >= target) break;
+    }
+    count[r] = c;
+  }
+}
