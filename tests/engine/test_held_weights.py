@@ -174,6 +174,15 @@ def test_replacing_a_member_in_place_equals_packing_the_new_weights():
     assert torch.equal(_bits(method(x)), _bits(fresh(x)))
 
 
+def _onednn_bf16_here() -> bool:
+    """oneDNN's bf16 weight reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT (torch refuses it on AVX2 CPUs)."""
+    from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
+
+    flags = set(cpu_flags().split())
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
+@pytest.mark.skipif(not _onednn_bf16_here(), reason="oneDNN's bf16 blocks need AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
 def test_onednn_blocks_hold_their_weights_and_give_them_back():
     from cbrun.engine.backends.cpu.linear_methods import ONEDNN_B64
 
