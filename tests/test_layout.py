@@ -6,6 +6,10 @@ the two files together) or under `if TYPE_CHECKING:`. Imports are read with `ast
 imported. `from cbrun.a import b` is an edge to the module `cbrun.a.b` when that is a module, else to
 `cbrun.a`; a package's `__init__` is not counted as imported by its submodules (Python runs it
 first, but that is not an import the file writes).
+
+A package counts as one file too: its modules folded into one node, it must not import a module
+outside it that imports it back (engine/grammar.py and the sample/ package did, each through a
+different module of the other).
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ MAX_LINES = 400
 # Known exceptions, each still true (the test fails when one is mended, so that it is taken off its list).
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 KNOWN_LARGE: set[str] = set()
+# package -> the modules it forms a circle with when folded into one node.
+KNOWN_FOLDER_CIRCLES: dict[str, frozenset[str]] = {
+    # generate/parts.py drives data/job.py, whose resume and writers read generate/format.py and row_kind.py
+    "cbrun.data.generate": frozenset({"cbrun.data.job", "cbrun.data.resume", "cbrun.data.writers"}),
+    # model_spec.py imports cache/kv_store.py; cache/sizing.py reads model_spec (offload.py through request)
+    "cbrun.engine.cache": frozenset({"cbrun.engine.grammar", "cbrun.engine.model_spec", "cbrun.engine.request"}),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -103,6 +114,29 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
+def folded(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """The graph with `package` and every module under it as one node named `package`."""
+
+    def node(module: str) -> str:
+        return package if module == package or module.startswith(package + ".") else module
+
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        out.setdefault(node(module), set()).update(node(t) for t in targets if node(t) != node(module))
+    return out
+
+
+def folder_circles(graph: dict[str, set[str]]) -> dict[str, frozenset[str]]:
+    """package -> the other modules of its circle, for every package that imports itself through others."""
+    packages = {m.rpartition(".")[0] for m in graph if "." in m} - {"cbrun"}
+    found = {}
+    for package in sorted(packages):
+        for component in circles(folded(graph, package)):
+            if package in component:
+                found[package] = frozenset(component - {package})
+    return found
+
+
 def test_the_graph_reader_finds_a_circle_through_a_lazy_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [{"a", "b", "c"}]
@@ -115,6 +149,26 @@ def test_no_module_of_the_package_imports_itself_through_others():
     mended = [sorted(component) for component in KNOWN_CIRCLES - found]
     assert not new, f"import circles: {new}"
     assert not mended, f"no longer circles, take them off KNOWN_CIRCLES: {mended}"
+
+
+def test_the_folder_reader_finds_a_package_that_imports_itself_through_a_module():
+    graph = {  # the old shape: grammar imported sample.kernels, sample.sampler imported grammar
+        "cbrun.engine.grammar": {"cbrun.engine.sample.kernels"},
+        "cbrun.engine.sample.sampler": {"cbrun.engine.grammar", "cbrun.engine.sample.kernels"},
+        "cbrun.engine.sample.kernels": set(),
+    }
+    assert circles(graph) == []
+    assert folder_circles(graph) == {"cbrun.engine.sample": frozenset({"cbrun.engine.grammar"})}
+    graph["cbrun.engine.grammar"] = set()
+    assert folder_circles(graph) == {}
+
+
+def test_no_package_imports_itself_through_modules_outside_it():
+    found = folder_circles(import_graph())
+    new = {package: sorted(others) for package, others in found.items() if KNOWN_FOLDER_CIRCLES.get(package) != others}
+    mended = sorted(set(KNOWN_FOLDER_CIRCLES) - set(found))
+    assert not new, f"package import circles: {new}"
+    assert not mended, f"no longer circles, take them off KNOWN_FOLDER_CIRCLES: {mended}"
 
 
 def test_no_module_is_over_400_lines_outside_csrc():

@@ -12,7 +12,8 @@ Flow for one constrained request (one per sample when n > 1):
 
     add ──> GrammarCompiler.matcher(spec)   one template per distinct spec, deep-copied per request
          └> MaskFiller.submit([state])      mask for the first token, computed in the background
-    step t: sampler waits for the mask, sets disallowed logits of that row to -inf, samples
+    step t: sampler waits for the mask, sets disallowed logits of that row to -inf
+            (sample/token_masks.py), samples
             core appends the token ──> state.consume(token); complete ──> finish "stop"
             MaskFiller.submit(every constrained row that got a token)  ──> ready by step t+1
 
@@ -32,7 +33,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from cbrun.engine.model_spec import Tokenizer
-from cbrun.engine.sample.kernels import SamplingKernels
 from cbrun.engine.sampling_params import StructuredSpec
 
 if TYPE_CHECKING:  # llguidance is imported where it is used (its native library loads then)
@@ -44,7 +44,6 @@ log = logging.getLogger("cbrun.engine")
 # JSON on one line with ", " and ": " separators: no tokens spent on layout, and no model can
 # loop in whitespace. A schema's own "x-guidance" options override these defaults.
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
-_BIT = torch.arange(32, dtype=torch.int32)  # [32] bit positions inside one int32 word of a mask
 
 
 class GrammarError(ValueError):
@@ -213,41 +212,3 @@ class MaskFiller:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def without_tokens(mask: torch.Tensor | None, token_ids: tuple[int, ...], vocab_size: int) -> torch.Tensor:
-    """A packed mask ([ceil(V / 32)] int32) allowing what `mask` allows (all of V when None) but `token_ids`.
-
-    When nothing would be left (a grammar that allows only those tokens), `mask` is returned as it is:
-    the grammar wins over min_tokens' hold on stop tokens.
-    """
-    words = (vocab_size + 31) // 32
-    banned = torch.full((words,), -1, dtype=torch.int32) if mask is None else mask.clone()  # [W]
-    for token in token_ids:
-        bit = token % 32
-        banned[token // 32] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF  # bit 31 is int32's sign bit
-    if mask is not None and not bool(banned.any()):
-        return mask
-    return banned
-
-
-def apply_masks(
-    logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor], kernels: SamplingKernels | None = None
-) -> None:
-    """Set the logits of tokens each mask disallows to -inf, in place, in its row only.
-
-    logits [N, V]; rows: indices into N; masks: packed [W] int32 each.
-    Columns past the mask's 32 * W tokens (none when built for V) stay as they are.
-    With compiled kernels (the ones the sampler is given), one pass over the packed bits (unpacking them
-    into torch tensors cost ~90 ms a step for 96 rows of a 49,152-token vocabulary); the same -inf either way.
-    """
-    packed = torch.stack(masks).to(logits.device)  # [r, W]
-    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1:
-        kernels.apply_token_masks(logits, torch.tensor(rows, dtype=torch.long), packed.contiguous())
-        return
-    allowed = ((packed[:, :, None] >> _BIT.to(logits.device)) & 1).bool()  # [r, W, 32]
-    vocab = logits.shape[1]
-    allowed = allowed.view(len(rows), -1)[:, :vocab]  # [r, V]
-    index = torch.tensor(rows, device=logits.device)
-    with torch.inference_mode():  # the forward's logits are inference tensors
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

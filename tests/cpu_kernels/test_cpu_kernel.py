@@ -179,7 +179,7 @@ def test_kernel_linears_install_and_uninstall():
 
 def test_token_masks_kernel_sets_what_torch_sets():
     """Structured outputs and min_tokens: the compiled mask pass gives the logits torch's masked_fill gives."""
-    from cbrun.engine.grammar import apply_masks
+    from cbrun.engine.sample.token_masks import apply_masks
 
     torch.manual_seed(9)
     vocab = 1000 + 13  # a partial last word

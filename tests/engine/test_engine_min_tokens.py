@@ -10,7 +10,7 @@ from engine_helpers import random_prompts, reference_logprobs, run_engine
 
 from cbrun.engine import ConfigError, Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
-from cbrun.engine.grammar import without_tokens
+from cbrun.engine.sample.token_masks import without_tokens
 from cbrun.models import load_model
 
 needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="compiled CPU kernels unavailable")

@@ -1,9 +1,9 @@
 """The compiled calls that sampling, scoring and token masks use, as a backend hands them over.
 
-The sampler, scoring and the structured-output masks run on torch alone; a
+The sampler, scoring and the token masks (token_masks.py) run on torch alone; a
 backend with compiled kernels (the CPU backend) passes its kernels object in,
 and these are the only calls they make of it. Declared here so that nothing
-in sample/ or grammar.py imports a backend.
+in sample/ imports a backend.
 """
 
 from __future__ import annotations

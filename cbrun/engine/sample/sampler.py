@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.grammar import apply_masks, without_tokens
 from cbrun.engine.request import Request
 from cbrun.engine.sample.kernels import SamplingKernels
+from cbrun.engine.sample.token_masks import apply_masks, without_tokens
 from cbrun.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
