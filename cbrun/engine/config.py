@@ -38,7 +38,8 @@ class EngineConfig:
         default: prefix caching shares whole pages, so short shared prompts
         (chat templates, repeated questions) only hit with small pages, and
         the CPU decode kernel runs as fast at 16 as at 64 (docs/performance.md).
-    num_blocks: pages in the pool; None sizes the pool from free memory
+    num_blocks: blocks in the pool (a block is one page in every layer:
+        cache/kv_cache.py); None sizes the pool from free memory
         (`max_memory_percent` of available RAM on CPU, of free memory on GPU).
     max_batch_tokens: query tokens per forward pass (the token budget).
     max_requests_per_batch: sequences per forward pass (bounds the logits tensor).

@@ -83,7 +83,10 @@ def _canonical_value(kind: str, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks for.
+    """What one request asks for: the engine's own (`cbrun.engine.SamplingParams`).
+
+    Not vLLM's: the vLLM-compatible `cbrun.SamplingParams` (llm/params.py)
+    takes vLLM's fields and becomes one of these through its `to_engine`.
 
     temperature 0 means greedy. top_k 0 and top_p 1.0 and min_p 0.0 are "off".
     seed None lets the engine pick one; a request's random stream depends only

@@ -83,6 +83,9 @@ GuidedDecodingParams = StructuredOutputsParams
 class SamplingParams:
     """Sampling parameters for text generation, as vLLM's offline API takes them.
 
+    `cbrun.SamplingParams`; `to_engine` makes the engine's own `cbrun.engine.SamplingParams`
+    (engine/sampling_params.py, imported here as `EngineSampling`), which the CLI and `Engine` take.
+
     n: samples per prompt. temperature: 0 (or below 1e-5) is greedy.
     top_p, top_k (0 or -1: off), min_p, seed (per request; else drawn from the LLM's seed).
     max_tokens: new tokens at most (None: up to the context length). stop: strings that end a

@@ -1,7 +1,11 @@
 """Paged KV-cache bookkeeping: per-request block tables over the shared block pool.
 
-A block is one page (of `page_size` tokens) in every layer that uses that
-allocator's attention type. Full-attention layers keep every page and share
+A block is one page in every layer: one id of the pool (`num_blocks` of them),
+naming `page_size` tokens of K and V in each layer's page pool (kv_store.py).
+"Block" is the id the allocators count, "page" the same unit seen in one layer;
+there is no other unit between them. A hybrid model's allocators draw from the
+one pool, and a block's content is meaningful in the layers of the attention
+type whose allocator holds it. Full-attention layers keep every page and share
 hashed prefix pages across requests; sliding-window layers keep only the
 pages their window can still reach. `KVCacheManager` makes every operation
 all-or-nothing across allocators. Plain Python, no torch; the tensors live
