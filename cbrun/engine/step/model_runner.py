@@ -9,6 +9,23 @@ through its backend: on CPU the compiled linear kernel, straight to fp32
 logits (bf16 models too) and in one summation order for any number of rows,
 so a request's logits do not depend on its neighbours. Heads that post-process
 logits (soft-capping, scaling) go through the model's own forward.
+
+One layer's path, which no single file shows (set up once, then per step):
+
+    EngineCore.__init__ (core.py)        model.set_attn_implementation(register_attention()): the name
+                                         "cbrun_paged" -> step/attention.py `paged_attention`, in
+                                         transformers' AttentionInterface registry
+    CpuBackend.install (cpu/backend.py)  install_fused_layers (fused_layers.py): each Llama-shaped layer
+                                         that passes its probe gets, per instance, `forward =
+                                         partial(fused_forward, ...)` (HeldWeights.route, held_weights.py)
+    step: EngineCore.step -> ModelRunner.forward -> self.model.model(**kwargs), the batch and the
+          backend in kwargs as BATCH_KWARG / BACKEND_KWARG (and LORA_KWARG)
+      -> transformers' decoder model (e.g. LlamaModel.forward) calls each layer with **kwargs
+      -> fused layer: fused_forward -> _attention (fused_layers.py), or a stock layer: its self_attn
+      -> both look the attention up by name: ALL_ATTENTION_FUNCTIONS.get_interface(
+         config._attn_implementation) -> paged_attention(module, q, k, v, mask, **kwargs)
+      -> paged_attention pulls the PagedBatch and the Backend out of **kwargs, writes K/V and attends
+         through the backend (write_kv, attend_rows; torch_attention.prefill for the torch layout)
 """
 
 from __future__ import annotations
