@@ -169,14 +169,16 @@ def test_gated_silu_and_raw_members_are_the_same_sums_in_every_variant(variant):
     packed = i8.packed(40, 576, gated=True)
     i8.pack_into(packed, 576, qg, sg, "gate")
     i8.pack_into(packed, 576, qu, su, "up")
-    raw = i8.linear(x, packed, 40, 576, variant, bias, -bias, "raw", torch.float32)  # [M, 80]
+    raw = i8.linear(
+        x, packed, 40, 576, variant, bias=bias, up_bias=-bias, mode="raw", out_dtype=torch.float32
+    )  # [M, 80]
     alone = [
-        i8.linear(x, _packed(q, s), 40, 576, "scalar", b, None, "plain", torch.float32)
+        i8.linear(x, _packed(q, s), 40, 576, "scalar", bias=b, out_dtype=torch.float32)
         for q, s, b in ((qg, sg, bias), (qu, su, -bias))
     ]
     assert torch.equal(_bits(raw), _bits(torch.cat(alone, dim=1)))
-    gated = i8.linear(x, packed, 40, 576, variant, bias, -bias, "silu", torch.float32)
-    reference = i8.linear(x, packed, 40, 576, "scalar", bias, -bias, "silu", torch.float32)
+    gated = i8.linear(x, packed, 40, 576, variant, bias=bias, up_bias=-bias, mode="silu", out_dtype=torch.float32)
+    reference = i8.linear(x, packed, 40, 576, "scalar", bias=bias, up_bias=-bias, mode="silu", out_dtype=torch.float32)
     assert torch.equal(_bits(gated), _bits(reference))
     g, u = alone
     assert torch.allclose(gated, torch.nn.functional.silu(g) * u, rtol=1e-5, atol=1e-6)
@@ -186,9 +188,9 @@ def test_gated_silu_and_raw_members_are_the_same_sums_in_every_variant(variant):
 def test_a_row_gets_the_same_bits_alone_and_in_any_crowd(variant):
     crowd, weight, bias = _problem(300, 640, 70, seed=9)
     packed = _packed(*quantize_weight(weight))
-    everyone = i8.linear(crowd, packed, 70, 640, variant, bias, out_dtype=torch.float32)
+    everyone = i8.linear(crowd, packed, 70, 640, variant, bias=bias, out_dtype=torch.float32)
     for first, count in [(0, 1), (5, 1), (3, 7), (9, 9), (0, 16), (17, 31), (100, 129), (299, 1)]:
-        got = i8.linear(crowd[first : first + count], packed, 70, 640, variant, bias, out_dtype=torch.float32)
+        got = i8.linear(crowd[first : first + count], packed, 70, 640, variant, bias=bias, out_dtype=torch.float32)
         assert torch.equal(_bits(got), _bits(everyone[first : first + count])), (first, count)
 
 
@@ -233,8 +235,8 @@ def test_the_epilogue_gives_the_same_bits_with_the_fma_instruction_or_fmaf():
     ]
     for variant in ["scalar", *(v for v in ISA if i8.variant_runs(v))]:
         for packed, b, up_bias, mode, dtype in calls:
-            want = i8.linear(x, packed, 37, 576, variant, b, up_bias, mode, dtype)
-            got = portable.linear(x, packed, 37, 576, variant, b, up_bias, mode, dtype)
+            want = i8.linear(x, packed, 37, 576, variant, bias=b, up_bias=up_bias, mode=mode, out_dtype=dtype)
+            got = portable.linear(x, packed, 37, 576, variant, bias=b, up_bias=up_bias, mode=mode, out_dtype=dtype)
             assert torch.equal(_bits(got), _bits(want)), (variant, mode, dtype)
 
 

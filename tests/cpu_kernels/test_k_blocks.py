@@ -63,10 +63,10 @@ def test_every_output_keeps_the_unblocked_chain(unblocked, variant, inner):
     x[3, : inner // 3] *= 1e-36  # sums through the denormal range, where flushing shows
     w = (torch.randn(64, inner, generator=gen) / inner**0.5).to(torch.bfloat16)
     bias = torch.randn(64, generator=gen)
-    reference = unblocked.dp.linear(x, unblocked.dp.pack(w), 64, inner, "scalar", bias, out_dtype=torch.float32)
+    reference = unblocked.dp.linear(x, unblocked.dp.pack(w), 64, inner, "scalar", bias=bias, out_dtype=torch.float32)
     packed = kernels.dp.pack(w)
     for rows in ROWS:
-        got = kernels.dp.linear(x[:rows], packed, 64, inner, variant, bias, out_dtype=torch.float32)
+        got = kernels.dp.linear(x[:rows], packed, 64, inner, variant, bias=bias, out_dtype=torch.float32)
         assert torch.equal(_bits(got), _bits(reference[:rows])), (variant, inner, rows)
 
 
@@ -79,8 +79,12 @@ def test_gated_outputs_keep_the_unblocked_chain(unblocked, variant, mode):
     x = torch.randn(130, inner, generator=gen).to(torch.bfloat16)
     gate, up = ((torch.randn(width, inner, generator=gen) / 64).to(torch.bfloat16) for _ in range(2))
     biases = torch.randn(width, generator=gen), torch.randn(width, generator=gen)
-    reference = unblocked.dp.linear(x, unblocked.dp.pack(gate, up), width, inner, "scalar", *biases, gated=mode)
-    got = kernels.dp.linear(x, kernels.dp.pack(gate, up), width, inner, variant, *biases, gated=mode)
+    reference = unblocked.dp.linear(
+        x, unblocked.dp.pack(gate, up), width, inner, "scalar", bias=biases[0], up_bias=biases[1], gated=mode
+    )
+    got = kernels.dp.linear(
+        x, kernels.dp.pack(gate, up), width, inner, variant, bias=biases[0], up_bias=biases[1], gated=mode
+    )
     assert got.dtype == torch.bfloat16 and torch.equal(_bits(got), _bits(reference))
 
 

@@ -134,6 +134,7 @@ def prefill(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     seq: PrefillSeq,
+    *,
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:

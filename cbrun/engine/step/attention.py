@@ -65,7 +65,9 @@ def paged_attention(
     if batch.num_rows:
         out[: batch.num_rows] = attended
     for seq in layout.prefills:
-        out[seq.start : seq.end] = torch_attention.prefill(query, key, value, k_pool, v_pool, seq, scale, softcap)
+        out[seq.start : seq.end] = torch_attention.prefill(
+            query, key, value, k_pool, v_pool, seq, scale=scale, softcap=softcap
+        )
     return out.unsqueeze(0), None
 
 

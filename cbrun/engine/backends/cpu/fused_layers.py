@@ -220,7 +220,7 @@ def fused_forward(
     lora: StepLoRA | None = kwargs.pop(LORA_KWARG, None)  # the step's rows that run LoRA adapters (lora/step.py)
     x = hidden_states[0].float()  # [T, hidden] fp32 (bf16 widens exactly): the residual stream within the layer
     normed, _ = kernels.rmsnorm(x, plan.input_norm.weight, plan.input_norm.eps)
-    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, kwargs, lora)
+    attended = _attention(plan, kernels, function, normed, position_embeddings, attention_mask, kwargs, lora=lora)
     projected = plan.o_method(attended, torch.float32)  # [T, hidden]
     if lora is not None:
         lora.add(plan.o_proj, attended, projected)
@@ -251,6 +251,7 @@ def _attention(
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None,
     kwargs: dict[str, Any],
+    *,
     lora: StepLoRA | None = None,
 ) -> torch.Tensor:
     """normed [T, hidden] -> attention output [T, H * D] through the model's attention function."""

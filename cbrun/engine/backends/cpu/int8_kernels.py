@@ -164,6 +164,7 @@ class Int8Kernels:
         outputs: int,
         inner: int,
         variant: str,
+        *,
         bias: torch.Tensor | None = None,
         up_bias: torch.Tensor | None = None,
         mode: str = "plain",

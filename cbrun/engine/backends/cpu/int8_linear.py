@@ -120,7 +120,15 @@ class Int8Linear:
     def _call(self, x: torch.Tensor, mode: str, out_dtype: torch.dtype | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         return self.int8.linear(
-            rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, mode, out_dtype
+            rows,
+            self.packed,
+            self.outputs,
+            self.inner,
+            self.variant,
+            bias=self.bias,
+            up_bias=self.up_bias,
+            mode=mode,
+            out_dtype=out_dtype,
         )
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -248,7 +248,15 @@ class _PairDotLinear:
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         out = self.dp.linear(
-            rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, self.gated, out_dtype
+            rows,
+            self.packed,
+            self.outputs,
+            self.inner,
+            self.variant,
+            bias=self.bias,
+            up_bias=self.up_bias,
+            gated=self.gated,
+            out_dtype=out_dtype,
         )  # [M, N]
         return out.view(*x.shape[:-1], self.outputs)
 
@@ -265,15 +273,21 @@ class _PairDotLinear:
                 width,
                 self.inner,
                 self.variant,
-                bias,
-                None,
-                False,
-                out_dtype,
+                bias=bias,
+                out_dtype=out_dtype,
             )  # [M, N_index]
             return out.view(*x.shape[:-1], width)
         mode = "raw" if self.gated else False  # gated: both sums side by side [M, 2N]
         out = self.dp.linear(
-            rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, mode, out_dtype
+            rows,
+            self.packed,
+            self.outputs,
+            self.inner,
+            self.variant,
+            bias=self.bias,
+            up_bias=self.up_bias,
+            gated=mode,
+            out_dtype=out_dtype,
         )
         first = self.outputs * index if self.gated else self.starts[index]
         out = out[:, first : first + self.widths[index]].contiguous()  # [M, N_index]
@@ -282,7 +296,15 @@ class _PairDotLinear:
     def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         out = self.dp.linear(
-            rows, self.packed, self.outputs, self.inner, self.variant, self.bias, self.up_bias, "raw", torch.float32
+            rows,
+            self.packed,
+            self.outputs,
+            self.inner,
+            self.variant,
+            bias=self.bias,
+            up_bias=self.up_bias,
+            gated="raw",
+            out_dtype=torch.float32,
         )  # [M, 2N]: gate sums, then up sums
         return out[:, : self.outputs], out[:, self.outputs :]
 

@@ -140,6 +140,7 @@ class PairDotKernels:
         outputs: int,
         inner: int,
         variant: str,
+        *,
         bias: torch.Tensor | None = None,
         up_bias: torch.Tensor | None = None,
         gated: bool | str = False,
