@@ -156,6 +156,36 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_crowd(variant):
         assert _same_bits(together[rows], alone[: len(rows)])
 
 
+def test_a_packed_matrix_too_small_or_of_the_wrong_kind_is_refused_before_the_kernel_runs():
+    """PairDotKernels checks the packed buffer as Int8Kernels does: never read or written past its end."""
+    from cbrun.engine.backends.cpu.kernel_abi import KernelError
+
+    dp = kernels.dp
+    generator = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=generator).bfloat16()
+    x = torch.randn(5, 96, generator=generator).bfloat16()
+    packed = dp.pack(w)
+    assert torch.equal(dp.unpack(packed, 96, count=40), w)
+    short = packed[: dp.padded_inner(96) * dp.block_outputs]  # one block: outputs 0 .. block - 1 only
+    with pytest.raises(KernelError, match="beyond the packed matrix"):
+        dp.linear(x, short, 40, 96, "scalar")
+    with pytest.raises(KernelError, match="beyond the packed matrix"):
+        dp.pack_into(short, 96, w)
+    with pytest.raises(KernelError, match="beyond the packed matrix"):
+        dp.unpack(short, 96, count=40)
+    with pytest.raises(KernelError, match="beyond the packed matrix"):
+        dp.unpack(packed, 96, ids=torch.tensor([0, 1000]))
+    with pytest.raises(KernelError, match="negative output id"):
+        dp.unpack(packed, 96, ids=torch.tensor([-1]))
+    with pytest.raises(KernelError, match="beyond the packed matrix"):  # a plain matrix holds half the gated outputs
+        dp.linear(x, packed, 40, 96, "scalar", gated=True)
+    with pytest.raises(KernelError, match="not contiguous int16"):
+        dp.linear(x, packed.view(-1, 2)[:, 0], 40, 96, "scalar")  # every other element
+    with pytest.raises(KernelError):
+        dp.linear(x, packed.to(torch.int32), 40, 96, "scalar")
+    assert dp.linear(x, packed, 40, 96, "scalar", out_dtype=torch.float32).shape == (5, 40)  # the right one runs
+
+
 def test_side_by_side_weights_equal_each_weight_alone():
     """q|k|v packed as one weight give each projection's own bits (the fused layers rely on it)."""
     generator = torch.Generator().manual_seed(5)

@@ -78,6 +78,7 @@ class PairDotKernels:
             raise KernelError(
                 f"dp_pack: weight {tuple(weight.shape)} {weight.dtype} is not a bf16 CPU matrix of {inner} columns"
             )
+        self._check_blocks(packed, inner, role, first + weight.shape[0] - 1, "dp_pack")
         status = self._lib.dp_pack_weight(
             ptr(weight),
             weight.stride(0),
@@ -105,6 +106,11 @@ class PairDotKernels:
             if ids.dtype != torch.int64 or not ids.is_contiguous():
                 raise KernelError("dp_unpack: ids must be contiguous int64")
             count = ids.numel()
+        if count:
+            last = int(ids.max()) if ids is not None else first + count - 1
+            if ids is not None and int(ids.min()) < 0:
+                raise KernelError("dp_unpack: a negative output id")
+            self._check_blocks(packed, inner, role, last, "dp_unpack")
         out = torch.empty(count, inner, dtype=torch.bfloat16)
         status = self._lib.dp_unpack_weight(
             ptr(packed),
@@ -157,6 +163,7 @@ class PairDotKernels:
             if b is not None and (b.dtype != torch.float32 or b.shape != (outputs,) or not b.is_contiguous()):
                 raise KernelError(f"dp_linear: bias {tuple(b.shape)} {b.dtype} is not fp32 [{outputs}]")
         mode = self.MODES["raw"] if gated == "raw" else self.MODES["silu"] if gated else self.MODES["plain"]
+        self._check_blocks(packed, inner, "gate" if gated else "plain", outputs - 1, "dp_linear")
         out = torch.empty(rows, outputs * (2 if mode == self.MODES["raw"] else 1), dtype=out_dtype or x.dtype)
         if out.dtype not in LINEAR_DTYPES:
             raise KernelError(f"dp_linear: output dtype {out.dtype}")
@@ -181,6 +188,15 @@ class PairDotKernels:
         status = self._lib.dp_linear(ctypes.byref(params))
         check(status, "dp_linear")
         return out
+
+    def _check_blocks(self, packed: torch.Tensor, inner: int, role: str, last: int, name: str) -> None:
+        """Raise unless `packed` (int16, contiguous, on the CPU) holds output `last` of `role` over `inner` inputs:
+        a matrix released or made for other shapes is refused, never read or written past its end."""
+        if packed.dtype != torch.int16 or not packed.is_contiguous() or packed.device.type != "cpu" or inner < 1:
+            raise KernelError(f"{name}: the packed matrix is not contiguous int16 on the CPU over K = {inner} >= 1")
+        needed = int(self._lib.dp_packed_size(last + 1, inner, int(role != "plain"))) if last >= 0 else 0
+        if last < 0 or packed.numel() < needed:
+            raise KernelError(f"{name}: output {last} is beyond the packed matrix ({packed.numel()} int16)")
 
     def _scratch(self, nbytes: int) -> torch.Tensor:
         """Room for dp_linear's copy of x in its variant's layout, kept per thread and grown on demand."""
