@@ -27,8 +27,6 @@ KNOWN_LARGE: set[str] = set()
 KNOWN_FOLDER_CIRCLES: dict[str, frozenset[str]] = {
     # generate/parts.py drives data/job.py, whose resume and writers read generate/format.py and row_kind.py
     "cbrun.data.generate": frozenset({"cbrun.data.job", "cbrun.data.resume", "cbrun.data.writers"}),
-    # model_spec.py imports cache/kv_store.py; cache/sizing.py reads model_spec (offload.py through request)
-    "cbrun.engine.cache": frozenset({"cbrun.engine.grammar", "cbrun.engine.model_spec", "cbrun.engine.request"}),
 }
 
 

@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 
-from cbrun.engine.cache.kv_store import KVShape
-
 # A transformers causal LM and its tokenizer: their attributes (config, model, lm_head, layers; encode,
 # eos_token_id) differ by architecture and are read dynamically, so they are typed as Any.
 CausalLM = Any
@@ -17,6 +15,24 @@ Tokenizer = Any
 
 class UnsupportedModelError(ValueError):
     """The model cannot be driven by the engine; the message says why."""
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in the cache, read from the model config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    def bytes_per_block(self, page_size: int) -> int:
+        return self.bytes_per_token * page_size
 
 
 @dataclass(frozen=True)

@@ -16,28 +16,10 @@ touched blocks before fresh ones, and `prefault` touches blocks up front.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class KVShape:
-    """What one token costs in the cache, read from the model config."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
-
-    def bytes_per_block(self, page_size: int) -> int:
-        return self.bytes_per_token * page_size
+from cbrun.engine.model_spec import KVShape
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
