@@ -37,7 +37,7 @@ import torch
 from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, quantize_weight
 from cbrun.engine.backends.cpu.kernels import CpuKernels
 from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
-from cbrun.engine.backends.cpu.packed_layout import member_layout
+from cbrun.engine.backends.cpu.packed_layout import PackedLinear
 
 PREQUANTIZED = "cbrun_int8"  # a weight tensor's attribute: its int8 form (q [N, K] int8, scale [N] fp32)
 
@@ -94,10 +94,9 @@ def int8_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_weight(weight)
 
 
-class Int8Linear:
+class Int8Linear(PackedLinear):
     """linear_int8.c: one or several weights (q|k|v; or gate and up, gated) quantized and packed side by side."""
 
-    owns_weights = True
     serves_rows = False  # rows read back dequantized: a tied embedding keeps its own table
 
     def __init__(
@@ -108,17 +107,14 @@ class Int8Linear:
         biases: Sequence[torch.Tensor | None],
         gated: bool,
     ) -> None:
-        self.int8, self.variant, self.gated = kernels.int8, variant, gated
-        self.dtype = weights[0].dtype  # what `weight` gives back
-        self.inner, self.widths, self.outputs, self.roles, self.starts, self.bias, self.up_bias = member_layout(
-            weights, biases, gated
-        )
+        super().__init__(weights, biases, gated)
+        self.int8, self.variant = kernels.int8, variant
+        self.dtype = self.bias_dtype = weights[0].dtype  # what `weight` gives back, and biases are rounded through
         self.packed = self.int8.packed(self.outputs, self.inner, gated)  # int8 [blocks * (Kp * 32 + 256)]
         for index, weight in enumerate(weights):
-            self._pack(index, *int8_form(weight))
+            self._pack_form(index, *int8_form(weight))
 
-    def _call(self, x: torch.Tensor, mode: str, out_dtype: torch.dtype | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    def _linear(self, rows: torch.Tensor, mode: str, out_dtype: torch.dtype | None) -> torch.Tensor:
         return self.int8.linear(
             rows,
             self.packed,
@@ -131,21 +127,6 @@ class Int8Linear:
             out_dtype=out_dtype,
         )
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        out = self._call(x, "silu" if self.gated else "plain", out_dtype)  # [M, N]
-        return out.view(*x.shape[:-1], self.outputs)
-
-    def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Member `index` alone: its columns of the whole call (a row's sums do not depend on the others)."""
-        out = self._call(x, "raw" if self.gated else "plain", out_dtype)
-        first = self.outputs * index if self.gated else self.starts[index]
-        out = out[:, first : first + self.widths[index]].contiguous()  # [M, N_index]
-        return out.view(*x.shape[:-1], self.widths[index])
-
-    def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self._call(x, "raw", torch.float32)  # [M, 2N]: gate sums, then up sums
-        return out[:, : self.outputs], out[:, self.outputs :]
-
     def quantized(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Member `index`'s int8 weights [N_index, K] and scales [N_index], exactly as packed."""
         return self.int8.unpack(self.packed, self.inner, self.roles[index], self.starts[index], self.widths[index])
@@ -157,29 +138,16 @@ class Int8Linear:
         setattr(dense, PREQUANTIZED, (q, scale))
         return dense
 
-    def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
-        if weight is not None:
-            self._pack(index, *quantize_weight(weight))
-        if bias is not None:
-            target = self.up_bias if self.gated and index == 1 else self.bias
-            first = 0 if self.gated else self.starts[index]
-            if target is not None:
-                target[first : first + self.widths[index]] = bias.detach().to(self.dtype).float()
-
     def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
         start = self.starts[index]
         q, scale = self.int8.unpack(self.packed, self.inner, self.roles[index], ids=ids + start if start else ids)
         return dequantize_weight(q, scale, self.dtype)
 
-    def release(self) -> None:
-        self.packed = torch.empty(0, dtype=torch.int8)
+    def _pack(self, index: int, weight: torch.Tensor) -> None:
+        """A loaded weight, quantized by the rule (load: a weight that is not this member's own int8 form)."""
+        self._pack_form(index, *quantize_weight(weight))
 
-    def _pack(self, index: int, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def _pack_form(self, index: int, q: torch.Tensor, scale: torch.Tensor) -> None:
         q = q if q.stride(-1) == 1 else q.contiguous()
         scale = scale.detach().float().reshape(-1).contiguous()
         self.int8.pack_into(self.packed, self.inner, q, scale, self.roles[index], self.starts[index])
-
-    @property
-    def nbytes(self) -> int:
-        extra = sum(b.numel() * 4 for b in (self.bias, self.up_bias) if b is not None)
-        return self.packed.numel() + extra

@@ -37,7 +37,7 @@ import torch
 
 from cbrun.engine.backends.cpu.kernels import CpuKernels
 from cbrun.engine.backends.cpu.onednn_linear import BlockedOneDnn
-from cbrun.engine.backends.cpu.packed_layout import member_layout
+from cbrun.engine.backends.cpu.packed_layout import PackedLinear
 from cbrun.engine.weights import shareable
 
 
@@ -217,7 +217,7 @@ def _read_in_place(own: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return own
 
 
-class _PairDotLinear:
+class _PairDotLinear(PackedLinear):
     """linear_dpbf16.c: bf16 weights packed once into pair-interleaved blocks (AMX's B-tile layout); one variant's
     kernel.
 
@@ -226,8 +226,8 @@ class _PairDotLinear:
     them (unpack, exact) when the model wants its dense weights again.
     """
 
-    owns_weights = True
     serves_rows = True
+    bias_dtype = torch.bfloat16
 
     def __init__(
         self,
@@ -237,17 +237,15 @@ class _PairDotLinear:
         biases: Sequence[torch.Tensor | None],
         gated: bool,
     ) -> None:
-        self.dp, self.variant, self.gated = kernels.dp, variant, gated
-        self.inner, self.widths, self.outputs, self.roles, self.starts, self.bias, self.up_bias = member_layout(
-            weights, biases, gated
-        )
+        super().__init__(weights, biases, gated)
+        self.dp, self.variant = kernels.dp, variant
         self.packed = self.dp.packed(self.outputs, self.inner, gated)  # [blocks * Kp * 32] int16
         for index, weight in enumerate(weights):
             self._pack(index, weight)
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        out = self.dp.linear(
+    def _linear(self, rows: torch.Tensor, mode: str, out_dtype: torch.dtype | None) -> torch.Tensor:
+        gated: bool | str = "raw" if mode == "raw" else mode == "silu"
+        return self.dp.linear(
             rows,
             self.packed,
             self.outputs,
@@ -255,86 +253,38 @@ class _PairDotLinear:
             self.variant,
             bias=self.bias,
             up_bias=self.up_bias,
-            gated=self.gated,
-            out_dtype=out_dtype,
-        )  # [M, N]
-        return out.view(*x.shape[:-1], self.outputs)
-
-    def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        start, width = self.starts[index], self.widths[index]
-        block = self.dp.block_outputs
-        if not self.gated and start % block == 0:  # its own blocks: computed alone, the same chains
-            per_block = self.dp.padded_inner(self.inner) * block
-            bias = self.bias[start : start + width] if self.bias is not None else None
-            out = self.dp.linear(
-                rows,
-                self.packed[start // block * per_block :],
-                width,
-                self.inner,
-                self.variant,
-                bias=bias,
-                out_dtype=out_dtype,
-            )  # [M, N_index]
-            return out.view(*x.shape[:-1], width)
-        mode = "raw" if self.gated else False  # gated: both sums side by side [M, 2N]
-        out = self.dp.linear(
-            rows,
-            self.packed,
-            self.outputs,
-            self.inner,
-            self.variant,
-            bias=self.bias,
-            up_bias=self.up_bias,
-            gated=mode,
+            gated=gated,
             out_dtype=out_dtype,
         )
-        first = self.outputs * index if self.gated else self.starts[index]
-        out = out[:, first : first + self.widths[index]].contiguous()  # [M, N_index]
-        return out.view(*x.shape[:-1], self.widths[index])
 
-    def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        start, width, block = self.starts[index], self.widths[index], self.dp.block_outputs
+        if self.gated or start % block:
+            return super().member(index, x, out_dtype)
+        # a member on its own blocks is computed alone: the same chains, without the other members' outputs
+        per_block = self.dp.padded_inner(self.inner) * block
+        bias = self.bias[start : start + width] if self.bias is not None else None
         out = self.dp.linear(
-            rows,
-            self.packed,
-            self.outputs,
+            x.reshape(-1, x.shape[-1]),
+            self.packed[start // block * per_block :],
+            width,
             self.inner,
             self.variant,
-            bias=self.bias,
-            up_bias=self.up_bias,
-            gated="raw",
-            out_dtype=torch.float32,
-        )  # [M, 2N]: gate sums, then up sums
-        return out[:, : self.outputs], out[:, self.outputs :]
+            bias=bias,
+            out_dtype=out_dtype,
+        )  # [M, N_index]
+        return out.view(*x.shape[:-1], width)
 
     def weight(self, index: int) -> torch.Tensor:
         return self.dp.unpack(
             self.packed, self.inner, self.roles[index], self.starts[index], self.widths[index]
         )  # [N_index, K] bf16
 
-    def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
-        if weight is not None:
-            self._pack(index, weight)
-        if bias is not None:
-            target = self.up_bias if self.gated and index == 1 else self.bias
-            first = 0 if self.gated else self.starts[index]
-            if target is not None:
-                target[first : first + self.widths[index]] = bias.detach().to(torch.bfloat16).float()
-
     def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
         start = self.starts[index]
         return self.dp.unpack(self.packed, self.inner, self.roles[index], ids=ids + start if start else ids)
-
-    def release(self) -> None:
-        self.packed = torch.empty(0, dtype=torch.int16)
 
     def _pack(self, index: int, weight: torch.Tensor) -> None:
         rows = weight.detach().to(torch.bfloat16)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         self.dp.pack_into(self.packed, self.inner, rows, self.roles[index], self.starts[index])
-
-    @property
-    def nbytes(self) -> int:
-        extra = sum(b.numel() * 4 for b in (self.bias, self.up_bias) if b is not None)
-        return self.packed.numel() * 2 + extra

@@ -36,3 +36,63 @@ def offsets(widths: Sequence[int]) -> list[int]:
     for width in widths[:-1]:
         starts.append(starts[-1] + width)
     return starts
+
+
+class PackedLinear:
+    """What the packed-method families (the bf16 pair dots, the int8 linears) share: members laid out by
+    `member_layout` in one packed matrix, the only copy of the weights, computed by one kernel call.
+
+    A family gives `_linear` (one call of its kernel on [M, K] rows in a mode: "plain", "silu" or "raw", the
+    gate and up sums side by side), `_pack` (a member's weight into the matrix), `weight` and `rows` (members read
+    back) and `bias_dtype` (what a loaded bias is rounded through). A member alone is its columns of the whole call:
+    a row's sums do not depend on the other outputs.
+    """
+
+    owns_weights = True
+    bias_dtype: torch.dtype
+    packed: torch.Tensor
+
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], gated: bool) -> None:
+        self.gated = gated
+        self.inner, self.widths, self.outputs, self.roles, self.starts, self.bias, self.up_bias = member_layout(
+            weights, biases, gated
+        )
+
+    def _linear(self, rows: torch.Tensor, mode: str, out_dtype: torch.dtype | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _pack(self, index: int, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        out = self._linear(rows, "silu" if self.gated else "plain", out_dtype)  # [M, N]
+        return out.view(*x.shape[:-1], self.outputs)
+
+    def member(self, index: int, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        out = self._linear(rows, "raw" if self.gated else "plain", out_dtype)  # gated: [M, 2N]
+        first = self.outputs * index if self.gated else self.starts[index]
+        out = out[:, first : first + self.widths[index]].contiguous()  # [M, N_index]
+        return out.view(*x.shape[:-1], self.widths[index])
+
+    def gated_sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._linear(x.reshape(-1, x.shape[-1]), "raw", torch.float32)  # [M, 2N]: gate sums, then up sums
+        return out[:, : self.outputs], out[:, self.outputs :]
+
+    def load(self, index: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        if weight is not None:
+            self._pack(index, weight)
+        if bias is not None:
+            target = self.up_bias if self.gated and index == 1 else self.bias
+            first = 0 if self.gated else self.starts[index]
+            if target is not None:
+                target[first : first + self.widths[index]] = bias.detach().to(self.bias_dtype).float()
+
+    def release(self) -> None:
+        self.packed = torch.empty(0, dtype=self.packed.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        extra = sum(b.numel() * 4 for b in (self.bias, self.up_bias) if b is not None)
+        return self.packed.numel() * self.packed.element_size() + extra
