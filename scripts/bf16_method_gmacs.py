@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -61,7 +62,7 @@ def main() -> None:
                 if method == "scalar" and rows * inner * outputs > 2e7:
                     cells.append(f"{'-':>8}")
                     continue
-                seconds = _seconds(lambda m=method: dp.linear(x, packed, outputs, inner, m))
+                seconds = _seconds(partial(dp.linear, x, packed, outputs, inner, method))
                 cells.append(f"{rows * inner * outputs / seconds / 1e9:8.1f}")
             print("  " + f"{f'{rows}, {inner}, {outputs}':>18} " + " ".join(cells))
 

