@@ -186,7 +186,10 @@ int lora_apply(const void* x, int x_bf16, int64_t ldx, int64_t K, const int64_t*
       failed = 1;
     }
     float s[LORA_BLOCK][LORA_MAX_RANK];
-#pragma omp for schedule(dynamic, 1)
+    int64_t widened = -1; /* the block whose x is in xf: a block's members follow each other in t */
+    /* static: a task is a few hundred nanoseconds of arithmetic, about what a dynamic grab costs; which thread
+     * computes a row changes none of its bits */
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < blocks * M; ++t) {
       const int64_t b = t / M, m = t % M, g = first[2 * b + 1], at = g * M + m, i0 = first[2 * b];
       if (!a[at] || (x_bf16 && !xf)) continue;
@@ -198,15 +201,18 @@ int lora_apply(const void* x, int x_bf16, int64_t ldx, int64_t K, const int64_t*
         const int64_t row = rows[i0 + i];
         yr[i] = (char*)y[m] + (size_t)(row * ldy[m]) * elem;
         if (x_bf16) {
-          const uint16_t* from = (const uint16_t*)x + row * ldx;
-          int64_t k = 0;
-          for (; k + VEC <= K; k += VEC) storeN_f32(xf + i * K + k, loadN_bf16(from + k));
-          for (; k < K; ++k) xf[i * K + k] = lora_bf16_to_f32(from[k]);
+          if (widened != b) {
+            const uint16_t* from = (const uint16_t*)x + row * ldx;
+            int64_t k = 0;
+            for (; k + VEC <= K; k += VEC) storeN_f32(xf + i * K + k, loadN_bf16(from + k));
+            for (; k < K; ++k) xf[i * K + k] = lora_bf16_to_f32(from[k]);
+          }
           xr[i] = xf + i * K;
         } else {
           xr[i] = (const float*)x + row * ldx;
         }
       }
+      widened = b;
       if (R == LORA_BLOCK) {
         lora_shrink_rows(xr, LORA_BLOCK, K, a[at], rank[at], s);
         lora_expand_rows(s, LORA_BLOCK, rank[at], bt[at], widths[m], yr, y_bf16);
