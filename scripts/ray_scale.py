@@ -296,6 +296,7 @@ def verify(source: Path, out: Path) -> str:
 
     from cbrun.data.generate.format import CbrunFormat
     from cbrun.data.generate.preparer import GeneratePreparer
+    from cbrun.data.generate.row_kind import GenerateRows
     from cbrun.data.job import Job
     from cbrun.data.reader import open_input
     from cbrun.engine.sampling_params import SamplingParams
@@ -323,7 +324,7 @@ def verify(source: Path, out: Path) -> str:
     preparer = GeneratePreparer(
         FakeTokenizer(), SamplingParams(**SAMPLING), max_context=engine.max_context, vocab_size=engine.vocab_size
     )
-    Job(engine, open_input(str(source)), preparer, CbrunFormat(), sink).run()
+    Job(engine, open_input(str(source)), preparer, CbrunFormat(), sink, kind=GenerateRows()).run()
     tokens = table.column("completion_token_ids").to_pylist()
     differ = sum(1 for row_id, got in zip(ids, tokens) if sink.rows.get(row_id) != got)
     return (

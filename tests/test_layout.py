@@ -24,10 +24,7 @@ MAX_LINES = 400
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 KNOWN_LARGE: set[str] = set()
 # package -> the modules it forms a circle with when folded into one node.
-KNOWN_FOLDER_CIRCLES: dict[str, frozenset[str]] = {
-    # generate/parts.py drives data/job.py, whose resume and writers read generate/format.py and row_kind.py
-    "cbrun.data.generate": frozenset({"cbrun.data.job", "cbrun.data.resume", "cbrun.data.writers"}),
-}
+KNOWN_FOLDER_CIRCLES: dict[str, frozenset[str]] = {}
 
 
 def _modules() -> dict[str, Path]:

@@ -34,7 +34,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from cbrun.data.generate.row_kind import GenerateRows
 from cbrun.data.output_rows import is_killed
 from cbrun.data.prefetch import RowPrefetcher
 from cbrun.data.prompts import PromptPreparer
@@ -177,7 +176,8 @@ class Job:
     engine: an Engine (add_request or add_score_request, get_result, stop).
     rows: the input rows. preparer: validation and tokenization.
     fmt: the output format (CbrunFormat, OpenAIFormat, ScoreFormat); writer: where rows go.
-    kind: the rows' kind (default: generated rows, `GenerateRows`; scored: `ScoreRows`, data/score/row_kind.py).
+    kind: the rows' kind (generated rows: `GenerateRows`, data/generate/row_kind.py; scored: `ScoreRows`,
+    data/score/row_kind.py); given by the caller, which knows its rows (the job runs either).
     openai: set when the input is OpenAI Batch API requests (rows are converted first).
     resume: what an earlier run wrote (those rows are skipped).
     """
@@ -190,7 +190,7 @@ class Job:
         fmt: OutputFormat,
         writer: RowWriter,
         *,
-        kind: RowKind[Any] | None = None,  # takes the parsed_rows `preparer` makes
+        kind: RowKind[Any],  # takes the parsed_rows `preparer` makes
         openai: RowConverter | None = None,
         resume: ResumeState | None = None,
         window: int = DEFAULT_WINDOW,
@@ -209,7 +209,7 @@ class Job:
         self.progress = progress or JobProgress()
         if resume is not None:
             self.progress.rows_failed = resume.failed_rows
-        self.kind: RowKind[Any] = kind or GenerateRows(keep_prompt_ids=getattr(fmt, "prompt_token_ids", False))
+        self.kind: RowKind[Any] = kind
         self._requests: dict[str, _Request] = {}
         self._stop_level = 0  # 1: stop reading input, 2: stop at once
 

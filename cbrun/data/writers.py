@@ -24,10 +24,9 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, cast, runtime_checkable
 
 from cbrun.data.atomic import replace_atomically
-from cbrun.data.generate.format import CbrunFormat
 from cbrun.data.output_rows import STOPPED_MARKER
 
 
@@ -140,11 +139,11 @@ def finalize_parquet(path: Path, journal: Path, fmt: TableFormat) -> None:
 
     old = pq.ParquetFile(path) if path.exists() else None
     if (
-        isinstance(fmt, CbrunFormat)  # score rows have no structured column
-        and not fmt.structured
+        getattr(fmt, "structured", None) is False  # a generate format without the column (score rows have none)
         and (_journal_has(journal, "structured") or (old and "structured" in old.schema_arrow.names))
     ):
-        fmt = dataclasses.replace(fmt, structured=True)  # rows' own constraints: the column without a job-wide flag
+        # rows' own constraints: the column without a job-wide flag
+        fmt = dataclasses.replace(cast(Any, fmt), structured=True)
     keep_types = _keep_types(journal, fmt.keep_columns, old)
     schema = fmt.arrow_schema({name: t for name, (t, _) in keep_types.items()})
     as_text = {name for name, (_, text) in keep_types.items() if text}

@@ -33,6 +33,7 @@ from typing import Any
 
 from cbrun.data.generate.format import CbrunFormat
 from cbrun.data.generate.preparer import GeneratePreparer
+from cbrun.data.generate.row_kind import GenerateRows
 from cbrun.data.job import Job, JobProgress
 from cbrun.data.reader import RawRow, _parse_json_line
 from cbrun.data.rows import ID_FIELDS
@@ -121,7 +122,8 @@ class CbrunGenerator:
         )
         sink = _RowSink()
         # one window holds the whole batch: every prompt is submitted at once, prefix-sorted
-        Job(self.engine, rows, preparer, self.fmt, sink, window=max(len(rows), 1), progress=progress).run()
+        kind = GenerateRows(keep_prompt_ids=self.fmt.prompt_token_ids)
+        Job(self.engine, rows, preparer, self.fmt, sink, kind=kind, window=max(len(rows), 1), progress=progress).run()
         return sink.rows
 
     def __del__(self):

@@ -8,6 +8,7 @@ from fake_engine import FakeEngine
 from cbrun.data.generate.format import CbrunFormat
 from cbrun.data.generate.openai_batch import OpenAIFormat
 from cbrun.data.generate.preparer import GeneratePreparer
+from cbrun.data.generate.row_kind import GenerateRows
 from cbrun.data.job import Job
 from cbrun.data.output_rows import RowKey
 from cbrun.data.reader import InputError, RawRow
@@ -39,7 +40,9 @@ def make_job(records, engine=None, *, window=8, resume=None, fmt=None, openai=No
     )
     rows = [RawRow(i, r) for i, r in enumerate(records)]
     writer = ListWriter()
-    job = Job(engine, rows, preparer, fmt or CbrunFormat(), writer, window=window, resume=resume, openai=openai)
+    fmt = fmt or CbrunFormat()
+    kind = GenerateRows(keep_prompt_ids=getattr(fmt, "prompt_token_ids", False))
+    job = Job(engine, rows, preparer, fmt, writer, kind=kind, window=window, resume=resume, openai=openai)
     return job, engine, writer
 
 
@@ -180,6 +183,6 @@ def test_an_input_that_breaks_mid_way_raises_input_error():
     preparer = GeneratePreparer(
         engine.tokenizer, SamplingParams(max_tokens=2), max_context=64, vocab_size=engine.vocab_size
     )
-    job = Job(engine, rows(), preparer, CbrunFormat(), ListWriter())
+    job = Job(engine, rows(), preparer, CbrunFormat(), ListWriter(), kind=GenerateRows())
     with pytest.raises(InputError, match="disk gone"):
         job.run()

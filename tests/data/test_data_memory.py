@@ -29,6 +29,7 @@ SCRIPT = textwrap.dedent("""
     from fake_engine import FakeEngine
     from cbrun.data.job import Job
     from cbrun.data.generate.preparer import GeneratePreparer
+    from cbrun.data.generate.row_kind import GenerateRows
     from cbrun.data.reader import open_input
     from cbrun.data.generate.format import CbrunFormat
     from cbrun.data.writers import JsonlWriter
@@ -41,7 +42,7 @@ SCRIPT = textwrap.dedent("""
     before = psutil.Process().memory_info().rss
     source = open_input(source_path)
     writer = JsonlWriter.open(Path(out_path), append=False)
-    progress = Job(engine, source, preparer, CbrunFormat(), writer).run()
+    progress = Job(engine, source, preparer, CbrunFormat(), writer, kind=GenerateRows()).run()
     writer.close()
     # VmHWM, not ru_maxrss: ru_maxrss survives exec, so it would report the forking
     # pytest process's size when the suite has loaded models before this test.
