@@ -112,7 +112,10 @@ class ScaleOptions:
     ] = False
     ray_address: Annotated[
         Optional[str],
-        _scale_option(help="Ray cluster to join (auto, or the head's host:port); default: start a local one."),
+        _scale_option(
+            help="Ray cluster to join (auto, or the head's host:port); default: $RAY_ADDRESS if set, else start "
+            "a new local one.",
+        ),
     ] = None
     ray_runtime_env: Annotated[
         Optional[str],

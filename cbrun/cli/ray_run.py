@@ -10,6 +10,7 @@ refused once Ray has read its first row.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import uuid
 from dataclasses import asdict, fields
@@ -80,13 +81,13 @@ def run_ray(
     from cbrun.scale.input_plan import plan_input
     from cbrun.scale.output_dir import OutputError, check_output
     from cbrun.scale.part_store import PartStore
-    from cbrun.scale.ray_source import probe_first_record
 
     assert opts.output is not None  # check_input_output refused a missing OUTPUT
     target = OutputTarget.parse(opts.output, opts.input)
     assert target.path is not None and target.kind in ("parquet", "jsonl")  # check_ray_options refused stdout
     store = PartStore(target.path, target.kind, run=uuid.uuid4().hex)
     parallelism = opts.replicas * ray_job.UNITS_PER_REPLICA
+    address = opts.ray_address or os.environ.get("RAY_ADDRESS") or None  # as `ray job submit` sets it
     try:
         plan = plan_input(opts.input, dataset=opts.dataset, split=opts.split, columns=columns, parallelism=parallelism)
         check_output(store, resume=opts.resume, overwrite=opts.overwrite)
@@ -94,13 +95,11 @@ def run_ray(
         raise CliError(str(exc)) from None
     progress = ray_job.RayProgress()
     try:
-        ray_job.start_ray(opts.ray_address, opts.threads_per_replica, opts.quiet, runtime_env(opts.ray_runtime_env))
-        if plan.units and looks_like_openai_batch(probe_first_record(plan.units[0])):
+        ray_job.start_ray(address, opts.threads_per_replica, opts.quiet, runtime_env(opts.ray_runtime_env))
+        if looks_like_openai_batch(ray_job.first_input_record(plan)):
             raise CliError("OpenAI Batch API input does not work with --ray; run it without --ray")
         generator = generator_args(opts, sampling, engine_config, keep, structured=fmt.structured)
-        cpus = opts.cpus_per_replica or ray_job.default_cpus(
-            opts.threads_per_replica, opts.replicas, opts.ray_address is None
-        )
+        cpus = opts.cpus_per_replica or ray_job.default_cpus(opts.threads_per_replica, opts.replicas, address is None)
         job = ray_job.RayJob(plan, store, fmt, generator, opts.replicas, opts.threads_per_replica, cpus, opts.window)
         ray_job.run_to_output(job, progress, resume=opts.resume, overwrite=opts.overwrite, view=not opts.quiet)
     except (InputError, OutputError) as exc:

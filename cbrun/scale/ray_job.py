@@ -128,7 +128,10 @@ def default_cpus(threads: int, replicas: int, local: bool) -> float:
 
 
 def start_ray(address: str | None, threads: int, quiet: bool, runtime_env: dict | None = None) -> None:
-    """Join `address` or start a local cluster whose workers import this same cbrun.
+    """Join `address` or start a new local cluster whose workers import this same cbrun.
+
+    A new one even where `ray start` ran on this machine or another process's cluster is up (ray.init's
+    own default joins those): the local cluster is sized for this machine and ends with this job.
 
     runtime_env: merged into the job's runtime environment (its env_vars on top of cbrun's own).
     """
@@ -147,7 +150,7 @@ def start_ray(address: str | None, threads: int, quiet: bool, runtime_env: dict 
     env["env_vars"] = {**env_vars, **env.get("env_vars", {})}
     try:
         ray.init(
-            address=address,
+            address=address or "local",  # "local": a new cluster, never one RAY_ADDRESS or `ray start` left behind
             include_dashboard=False,
             log_to_driver=not quiet,
             logging_level=logging.ERROR if quiet else logging.WARNING,
@@ -217,6 +220,22 @@ def run_ray_job(
         raise RayJobError(f"the Ray job failed: {first_line(exc)}") from None
     finally:
         progress.finished = time.perf_counter()
+
+
+def first_input_record(plan: InputPlan) -> dict | None:
+    """The input's first record, read by a Ray task (is it OpenAI Batch requests?); None for no input.
+    Raises InputError for unreadable input, RayJobError when Ray itself fails (a raylet died)."""
+    from cbrun.data.reader import InputError
+    from cbrun.scale.ray_source import probe_first_record
+
+    if not plan.units:
+        return None
+    try:
+        return probe_first_record(plan.units[0])
+    except InputError:
+        raise
+    except Exception as exc:  # RaySystemError, LocalRayletDiedError, ...
+        raise RayJobError(f"the Ray job failed: {first_line(exc)}") from None
 
 
 def run_to_output(

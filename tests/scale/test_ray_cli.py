@@ -100,3 +100,50 @@ def test_the_log_lines_say_rows_failed_and_in_flight_per_replica_tokens_and_the_
     Console(file=rendered, width=200).print(view.renderable())
     assert "r1" in rendered.getvalue() and "in flight" in rendered.getvalue()
     assert any("rows 200" in line for line in summary(progress, "out.parquet"))
+
+
+def test_without_ray_address_ray_init_starts_a_new_local_cluster(monkeypatch):
+    """ray.init's own default joins RAY_ADDRESS or the cluster `ray start` (or ray.cluster_utils) last wrote to
+    /tmp/ray; cbrun's default is a new local cluster, so a job never lands on another process's cluster."""
+    import ray
+
+    from cbrun.scale.ray_job import start_ray
+
+    calls: list[str | None] = []
+    monkeypatch.setattr(ray, "init", lambda address=None, **kwargs: calls.append(address))
+    start_ray(None, threads=1, quiet=True)
+    start_ray("10.0.0.1:6379", threads=1, quiet=True)
+    assert calls == ["local", "10.0.0.1:6379"]
+
+
+def test_ray_address_comes_from_the_flag_then_the_environment(tmp_path, capsys, monkeypatch):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    seen: list[str | None] = []
+
+    def stop(address, *args, **kwargs):
+        seen.append(address)
+        raise KeyboardInterrupt  # as far as the test needs to go
+
+    monkeypatch.setattr("cbrun.scale.ray_job.start_ray", stop)
+    out = str(tmp_path / "o.parquet")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    run([str(source), out, "--ray"], capsys)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")  # as `ray job submit` runs a job on its cluster
+    run([str(source), out, "--ray", "--overwrite"], capsys)
+    run([str(source), out, "--ray", "--overwrite", "--ray-address", "auto"], capsys)
+    assert seen == [None, "10.0.0.2:6379", "auto"]
+
+
+def test_a_ray_failure_while_reading_the_first_record_is_one_line(tmp_path, capsys, monkeypatch):
+    import ray
+
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    monkeypatch.setattr("cbrun.scale.ray_job.start_ray", lambda *args, **kwargs: None)
+
+    def raylet_died(unit):
+        raise ray.exceptions.LocalRayletDiedError()
+
+    monkeypatch.setattr("cbrun.scale.ray_source.probe_first_record", raylet_died)
+    code, err = run([str(source), str(tmp_path / "o.parquet"), "--ray"], capsys)
+    assert code == 1 and "the Ray job failed" in err and "--resume finishes the job" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
