@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 
 # (M, K, N): a decode row, small and middle row groups, and prefill chunks at the default model's and a 1.5B's shapes
 SHAPES = [(1, 576, 1536), (8, 576, 1536), (16, 896, 4864), (64, 1536, 1536), (256, 576, 1536), (128, 4864, 896)]

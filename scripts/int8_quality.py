@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from cbrun.engine import Engine, EngineConfig, SamplingParams
-    from cbrun.engine.backends.cpu.cpu_facts import cpu_model
+    from cbrun.engine.backends.cpu.build.cpu_facts import cpu_model
     from cbrun.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device="cpu")

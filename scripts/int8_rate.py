@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from cbrun.engine.backends.cpu.cpu_facts import cpu_model
-from cbrun.engine.backends.cpu.int8_linear import INT8_METHODS
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
-from cbrun.engine.backends.cpu.linear_methods import DP_ISA, DP_TWIN
+from cbrun.engine.backends.cpu.build.cpu_facts import cpu_model
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.linear.int8 import INT8_METHODS
+from cbrun.engine.backends.cpu.linear.methods import DP_ISA, DP_TWIN
 
 
 def _best(layer, x, repeats: int = 5) -> float:

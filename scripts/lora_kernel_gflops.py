@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 
 
 def _seconds(call, repeats: int) -> float:

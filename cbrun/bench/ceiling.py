@@ -101,8 +101,8 @@ def measure_int8_gops(
     operands (int32 out; 0 where it cannot run)}. Repeats stop early once `budget_s` is spent."""
     import torch
 
-    from cbrun.engine.backends.cpu.int8_linear import INT8_METHODS
-    from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+    from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
+    from cbrun.engine.backends.cpu.linear.int8 import INT8_METHODS
 
     generator = torch.Generator().manual_seed(0)
     layers = [(torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator)) for k, n in shapes]

@@ -39,7 +39,7 @@ def machine_info(device: str) -> dict:
     import torch
     import transformers
 
-    from cbrun.engine.backends.cpu.cpu_facts import cpu_flags, cpu_model
+    from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags, cpu_model
 
     flags = set(cpu_flags().split())
     return {

@@ -54,8 +54,8 @@ def gather(policy: str = "portable") -> dict:
     """Everything `cbrun info` shows, as one JSON-able dict."""
     import torch
 
-    from cbrun.engine.backends.cpu.cpu_facts import cpu_flags, cpu_model
-    from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+    from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags, cpu_model
+    from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 
     flags = set(cpu_flags().split())
     info: dict = {
@@ -78,8 +78,8 @@ def gather(policy: str = "portable") -> dict:
     if kernels is None:
         info["kernels"] = {"built": False, "why": "no C compiler, a failed build, or CBRUN_KERNELS=torch"}
     else:
-        from cbrun.engine.backends.cpu.method_selector import bf16_dot_products_here, choose_linear_method
-        from cbrun.engine.backends.cpu.self_check import Shape, cache_path
+        from cbrun.engine.backends.cpu.linear.method_selector import bf16_dot_products_here, choose_linear_method
+        from cbrun.engine.backends.cpu.linear.self_check import Shape, cache_path
 
         info["kernels"] = {
             "built": True,

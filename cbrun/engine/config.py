@@ -60,7 +60,7 @@ class EngineConfig:
         kernels on CPU, Triton on CUDA, the torch reference where neither
         can run), "cpu", "triton" or "torch" (the reference).
     kernels: which linear methods the CPU backend may choose at load
-        (cpu/method_selector.py): "portable" (the same bits on every CPU:
+        (cpu/linear/method_selector.py): "portable" (the same bits on every CPU:
         for bf16, AMX's tile order on the tiles, on vdpbf16ps or on vector
         FMAs, the fastest that passes here) or "fastest" (also methods
         whose bits are this CPU's own, such as oneDNN on fixed blocks, when
@@ -70,7 +70,7 @@ class EngineConfig:
         weights (per output channel, quantized at load) and int8 activations
         (per token, at every call), exact int32 sums; the head, embeddings,
         norms, attention and KV cache stay in the model's dtype
-        (cpu/int8_linear.py).
+        (cpu/linear/int8.py).
     enable_lora: hold LoRA adapters that requests name (cbrun/lora/): each
         adapted linear adds scaling * B(A(x)) on the rows of the requests
         running that adapter, in fp32, row by row; other rows are untouched.

@@ -46,7 +46,7 @@ class AdaptedLinear(Protocol):
 
 
 class GroupedDeltas(Protocol):
-    """A backend's one-call LoRA arithmetic (on CPU lora_kernels.LoraKernels): ys[m] [T, N_m] += B_m (A_m x) on
+    """A backend's one-call LoRA arithmetic (on CPU kernels/lora.py's LoraKernels): ys[m] [T, N_m] += B_m (A_m x) on
     each group's rows of x [T, K], per member m the group's (A [r, K], B^T [r, N_m]) or None. `plan` lays out a
     step's rows by group once for all its calls, `pack` a member set's adapters once while they stay the same."""
 

@@ -6,7 +6,7 @@ Such a checkpoint's config.json carries a `quantization_config` with
 `weight_scale` [N, 1] (per output channel, symmetric: dequantized w = q * s).
 The model is built in the requested dtype from the same config minus its
 quantization, then each quantized linear's weight is set to q * s, carrying
-its int8 form (int8_linear.PREQUANTIZED): `--quantization int8` then packs the
+its int8 form (linear/int8.py's PREQUANTIZED): `--quantization int8` then packs the
 checkpoint's own q and s, bit for bit; without it the model runs the
 dequantized weights in its dtype. Other schemes (4-bit, fp8, group or tensor
 scales, zero points) are refused by name.
@@ -78,8 +78,8 @@ def load_w8a8_weights(model: torch.nn.Module, directory: str) -> int:
     returns how many. Raises ModelLoadError on a shape the model does not have."""
     from safetensors import safe_open
 
-    from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight
-    from cbrun.engine.backends.cpu.int8_linear import PREQUANTIZED
+    from cbrun.engine.backends.cpu.kernels.int8 import dequantize_weight
+    from cbrun.engine.backends.cpu.linear.int8 import PREQUANTIZED
 
     modules = dict(model.named_modules())
     count = 0

@@ -51,13 +51,13 @@ def _auto_dtype(device: str) -> torch.dtype:
     """'auto' for `device`. On a CPU that reports bf16 dot products this builds (or loads from the disk
     cache) the CPU kernels before any engine exists: whether bf16 serves is their self-check's verdict,
     and it must be known before the weights are read in that dtype. The kernels are the process's one
-    copy (kernel_loader.load_cpu_kernels), the same object the engine's CPU backend takes up later, so
+    copy (kernels/loader.py's load_cpu_kernels), the same object the engine's CPU backend takes up later, so
     nothing is built twice; explicit dtypes, CUDA and CPUs without the instructions build nothing here."""
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if os.environ.get("CBRUN_KERNELS", "").lower() == "torch":
         return torch.float32  # the torch reference paths: no bf16 kernel to serve
-    from cbrun.engine.backends.cpu.method_selector import bf16_dot_products_here
+    from cbrun.engine.backends.cpu.linear.method_selector import bf16_dot_products_here
 
     ready, why = bf16_dot_products_here()
     log.info("--dtype auto on CPU: %s (%s)", "bfloat16" if ready else "float32", why)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from cbrun.engine.backends.cpu.backend import CpuBackend
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.backends.metadata import SequenceRows
 from cbrun.engine.cache.kv_store import KVStore
 from cbrun.engine.model_spec import CausalLM, read_model_spec

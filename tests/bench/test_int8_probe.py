@@ -10,7 +10,7 @@ from cbrun.bench.ceiling import measure_ceiling, measure_int8_gops
 from cbrun.bench.report import build_report, print_report
 from cbrun.bench.result import PeerResult
 from cbrun.bench.runner import output_checks
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.models import load_model
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from cbrun.cli.app import main
-from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 
 
 def test_version_prints_the_package_version(capsys):

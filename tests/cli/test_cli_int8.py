@@ -9,7 +9,7 @@ from cli_helpers import by_key, engine_args, read_jsonl, write_jsonl
 
 from cbrun.cli.app import main
 from cbrun.cli.common import CliError, build_engine_config
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.llm import LLM, SamplingParams
 from cbrun.llm.params import UnsupportedFieldError
 

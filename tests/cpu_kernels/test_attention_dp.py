@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
-from cbrun.engine.backends.cpu.isa_variants import choose_attention_dp_variant, probe_scores
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
+from cbrun.engine.backends.cpu.fused.attention_tasks import SequenceRows, plan_tasks
+from cbrun.engine.backends.cpu.kernels.isa_variants import choose_attention_dp_variant, probe_scores
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.backends.metadata import PagedRows
 
 kernels = load_cpu_kernels()

@@ -15,8 +15,8 @@ from engine_helpers import reference_greedy, reference_logprobs, run_engine
 from helpers import make_prompts, save_tiny_model
 
 from cbrun.engine import EngineConfig
-from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.fused.attention_tasks import SequenceRows, plan_tasks
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.backends.metadata import PagedRows
 from cbrun.engine.backends.torch_attention import TorchRows, decode as torch_decode
 from cbrun.models import load_model

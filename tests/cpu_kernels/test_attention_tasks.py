@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.fused.attention_tasks import SequenceRows, plan_tasks
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.backends.metadata import PagedRows
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.fused.attention_tasks import SequenceRows, plan_tasks
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.backends.metadata import PagedRows
 from cbrun.engine.backends.torch_attention import TorchRows, decode as torch_decode
 
@@ -158,9 +158,9 @@ def test_linear_kernel_matches_f_linear(rows, out_features, in_features, with_bi
 
 
 def test_kernel_linears_install_and_uninstall():
-    from cbrun.engine.backends.cpu.held_weights import HeldWeights
-    from cbrun.engine.backends.cpu.linear import install_linear_methods
-    from cbrun.engine.backends.cpu.linear_methods import F32
+    from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
+    from cbrun.engine.backends.cpu.linear.install import install_linear_methods
+    from cbrun.engine.backends.cpu.linear.methods import F32
 
     torch.manual_seed(6)
     decoder = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8, bias=False))

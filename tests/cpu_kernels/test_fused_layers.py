@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
-from cbrun.engine.backends.cpu.linear_methods import DP_TWIN, F32
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.linear.methods import DP_TWIN, F32
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -117,8 +117,8 @@ def _load(directory, dtype="float32"):
 def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, dtype, request):
     """fp32: the stock function up to summation order. bf16: up to where it rounds (the stock forward rounds
     after every op, the fused one keeps the residual stream and the norms in fp32 within a layer)."""
-    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
-    from cbrun.engine.backends.cpu.held_weights import HeldWeights
+    from cbrun.engine.backends.cpu.fused.layers import install_fused_layers
+    from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
 
     model = _load(request.getfixturevalue(fixture), dtype)
     method, tolerance = (F32, 1e-4) if dtype == "float32" else (DP_TWIN, 6e-2)
@@ -145,8 +145,8 @@ def test_llama_style_layers_are_fused_and_compute_the_stock_function(fixture, dt
 
 def test_layers_of_another_shape_are_left_alone(tiny_gemma_hybrid_dir):
     """Gemma3's layers have extra norms and a (1 + w) RMSNorm: not fused."""
-    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
-    from cbrun.engine.backends.cpu.held_weights import HeldWeights
+    from cbrun.engine.backends.cpu.fused.layers import install_fused_layers
+    from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
 
     model = _load(tiny_gemma_hybrid_dir)
     assert install_fused_layers(model, kernels, F32, HeldWeights(model)) == []
@@ -154,8 +154,8 @@ def test_layers_of_another_shape_are_left_alone(tiny_gemma_hybrid_dir):
 
 def test_a_layer_that_computes_something_else_fails_its_probe(tiny_llama_dir):
     """Same structure, different function (a norm with another formula): that layer keeps its forward."""
-    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
-    from cbrun.engine.backends.cpu.held_weights import HeldWeights
+    from cbrun.engine.backends.cpu.fused.layers import install_fused_layers
+    from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
 
     model = _load(tiny_llama_dir)
     odd = model.model.layers[1].post_attention_layernorm
@@ -174,9 +174,9 @@ def test_silu_mul_matches_torch():
 
 def test_a_model_that_cannot_switch_attention_is_not_fused(tiny_llama_dir, monkeypatch):
     """The probe needs its own attention; without it the layers keep their stock forward and nothing fails."""
-    from cbrun.engine.backends.cpu import fused_probe
-    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
-    from cbrun.engine.backends.cpu.held_weights import HeldWeights
+    from cbrun.engine.backends.cpu.fused import probe as fused_probe
+    from cbrun.engine.backends.cpu.fused.layers import install_fused_layers
+    from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
 
     model = _load(tiny_llama_dir)
     original = model.set_attn_implementation
@@ -198,8 +198,8 @@ def test_layers_are_fused_where_torchs_sdpa_refuses_to_run(tiny_llama_dir, monke
     avx512 is supported"): the probe does not go through it, so the layers are fused there as everywhere."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from cbrun.engine.backends.cpu.fused_layers import install_fused_layers
-    from cbrun.engine.backends.cpu.held_weights import HeldWeights
+    from cbrun.engine.backends.cpu.fused.layers import install_fused_layers
+    from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
 
     def refusing_sdpa(*args, **kwargs):
         raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
@@ -212,7 +212,7 @@ def test_layers_are_fused_where_torchs_sdpa_refuses_to_run(tiny_llama_dir, monke
 
 
 def test_the_probes_attention_is_sdpas_causal_attention():
-    from cbrun.engine.backends.cpu.fused_probe import probe_attention
+    from cbrun.engine.backends.cpu.fused.probe import probe_attention
 
     torch.manual_seed(3)
     q, k, v = torch.randn(1, 6, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
@@ -226,8 +226,8 @@ def test_the_probes_attention_is_sdpas_causal_attention():
 
 def test_layers_alike_but_for_their_weights_share_one_probe(tiny_llama_dir, monkeypatch):
     """An 8B model's 32 layers probe once; a layer that differs in anything but its weights probes on its own."""
-    from cbrun.engine.backends.cpu import fused_layers, fused_probe
-    from cbrun.engine.backends.cpu.held_weights import HeldWeights
+    from cbrun.engine.backends.cpu.fused import layers as fused_layers, probe as fused_probe
+    from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
 
     probed = []
     probe = fused_probe.probe

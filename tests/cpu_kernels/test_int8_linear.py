@@ -15,8 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, quantize_weight
-from cbrun.engine.backends.cpu.int8_linear import (
+from cbrun.engine.backends.cpu.kernels.abi import KernelError
+from cbrun.engine.backends.cpu.kernels.int8 import dequantize_weight, quantize_weight
+from cbrun.engine.backends.cpu.kernels.loader import build_kernels, load_cpu_kernels
+from cbrun.engine.backends.cpu.linear.int8 import (
     INT8_AVX2,
     INT8_METHODS,
     INT8_SCALAR,
@@ -24,10 +26,8 @@ from cbrun.engine.backends.cpu.int8_linear import (
     Int8Method,
     int8_form,
 )
-from cbrun.engine.backends.cpu.kernel_abi import KernelError
-from cbrun.engine.backends.cpu.kernel_loader import build_kernels, load_cpu_kernels
-from cbrun.engine.backends.cpu.method_selector import choose_linear_method
-from cbrun.engine.backends.cpu.self_check import Shape, check_method
+from cbrun.engine.backends.cpu.linear.method_selector import choose_linear_method
+from cbrun.engine.backends.cpu.linear.self_check import Shape, check_method
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the compiled CPU kernels cannot be built here")
@@ -331,7 +331,7 @@ class _WrongRounding(Int8Method):
     """A variant that claims the int8 arithmetic but computes the bf16 pair dots (right values, other bits)."""
 
     def make(self, kernels, weights, biases, gated=False):
-        from cbrun.engine.backends.cpu.linear_methods import DP_SCALAR
+        from cbrun.engine.backends.cpu.linear.methods import DP_SCALAR
 
         return DP_SCALAR.make(kernels, [w.bfloat16() for w in weights], [b.bfloat16() for b in biases], gated)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.kernel_loader import build_kernels, load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import build_kernels, load_cpu_kernels
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the compiled CPU kernels cannot be built here")

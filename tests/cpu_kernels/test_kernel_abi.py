@@ -1,4 +1,4 @@
-"""The typed seam: kernel_abi.py mirrors csrc/cbrun_abi.h exactly, and a loaded library agrees with both."""
+"""The typed seam: kernels/abi.py mirrors csrc/cbrun_abi.h exactly, and a loaded library agrees with both."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cbrun.engine.backends.cpu import kernel_abi
-from cbrun.engine.backends.cpu.kernel_abi import (
+from cbrun.engine.backends.cpu.kernels import abi as kernel_abi
+from cbrun.engine.backends.cpu.kernels.abi import (
     AbiStruct,
     AttendParams,
     DenseParams,
@@ -25,9 +25,9 @@ from cbrun.engine.backends.cpu.kernel_abi import (
     Status,
     check,
 )
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 
-HEADER = Path(kernel_abi.__file__).with_name("csrc") / "cbrun_abi.h"
+HEADER = Path(kernel_abi.__file__).parents[1] / "csrc" / "cbrun_abi.h"
 # The header's prefix of each group of numbers, and the Python enum that mirrors it.
 GROUPS = {"CB_DP_": DpVariant, "CB_I8_": I8Variant, "CB_ROLE_": Role, "CB_MODE_": Mode, "CB_ABI_": AbiStruct}
 C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
-from cbrun.engine.backends.cpu.linear_methods import DP_AMX, DP_ISA, DP_SCALAR, DP_TWIN, F32, LinearMethod
-from cbrun.engine.backends.cpu.method_selector import choose_linear_method
-from cbrun.engine.backends.cpu.self_check import Shape, check_method
+from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.linear.method_selector import choose_linear_method
+from cbrun.engine.backends.cpu.linear.methods import DP_AMX, DP_ISA, DP_SCALAR, DP_TWIN, F32, LinearMethod
+from cbrun.engine.backends.cpu.linear.self_check import Shape, check_method
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the compiled CPU kernels cannot be built here")
@@ -158,7 +158,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_crowd(variant):
 
 def test_a_packed_matrix_too_small_or_of_the_wrong_kind_is_refused_before_the_kernel_runs():
     """PairDotKernels checks the packed buffer as Int8Kernels does: never read or written past its end."""
-    from cbrun.engine.backends.cpu.kernel_abi import KernelError
+    from cbrun.engine.backends.cpu.kernels.abi import KernelError
 
     dp = kernels.dp
     generator = torch.Generator().manual_seed(3)

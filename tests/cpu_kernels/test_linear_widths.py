@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
-from cbrun.engine.backends.cpu.kernel_loader import build_kernels, load_cpu_kernels
+from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
+from cbrun.engine.backends.cpu.kernels.loader import build_kernels, load_cpu_kernels
 
 ROWS = (1, 5, 8, 9, 16, 17, 31, 33, 100, 257)
 INNER = (64, 100, 576)

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.kernel_abi import KernelError
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.abi import KernelError
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="compiled CPU kernels unavailable (no C compiler)")
@@ -89,7 +89,7 @@ def test_operands_the_call_cannot_take_are_refused():
 def test_the_8_and_16_lane_builds_give_the_same_bits(dtype):
     """The register blocking differs by width (ranks and outputs per pass, two ymm per 16 lanes on AVX2); the
     chains must not: odd row counts, ranks and widths off every block, a K tail."""
-    from cbrun.engine.backends.cpu.kernel_loader import build_kernels
+    from cbrun.engine.backends.cpu.kernels.loader import build_kernels
 
     try:
         builds = [build_kernels((f"CBRUN_VEC_WIDTH={width}",)) for width in (8, 16)]

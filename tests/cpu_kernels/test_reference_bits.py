@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.models import load_model
 
 REFERENCE = Path(__file__).parents[1] / "fixtures" / "reference_bits.json"
@@ -88,12 +88,12 @@ _AVX2_RUN = """
 import sys
 sys.path[:0] = [{here!r}, {tests!r}]  # this file, and the helpers in tests/
 import torch
-from cbrun.engine.backends.cpu import method_selector
-from cbrun.engine.backends.cpu.linear_methods import DP_TWIN, F32
-from cbrun.engine.backends.cpu.int8_linear import INT8_AVX2
+from cbrun.engine.backends.cpu.linear import method_selector
+from cbrun.engine.backends.cpu.linear.methods import DP_TWIN, F32
+from cbrun.engine.backends.cpu.linear.int8 import INT8_AVX2
 method_selector._CANDIDATES[("portable", torch.bfloat16)] = [DP_TWIN]  # as on a CPU without AVX512-BF16
 method_selector._CANDIDATES[("portable", torch.int8)] = [INT8_AVX2]  # as on a CPU without VNNI or AMX
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 assert load_cpu_kernels().vector_width == 8, "not the AVX2 build"
 from cbrun.models import load_model
 import test_reference_bits as ref

@@ -15,7 +15,7 @@ from engine_helpers import random_prompts
 
 from cbrun.engine import ConfigError, Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.base import BackendUnavailable, TorchBackend
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.backends.selector import choose_backend
 from cbrun.engine.backends.torch_attention import TorchMetadataBuilder
 from cbrun.engine.model_spec import read_model_spec

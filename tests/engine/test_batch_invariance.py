@@ -15,8 +15,8 @@ import torch
 from engine_helpers import random_prompts, run_requests
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.fused.attention_tasks import SequenceRows, plan_tasks
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.backends.metadata import PagedRows
 from cbrun.models import load_model
 
@@ -60,7 +60,7 @@ def test_gated_and_multi_weight_linears_are_row_invariant(dtype):
 
 @needs_kernels
 def test_linear_refuses_what_it_cannot_compute():
-    from cbrun.engine.backends.cpu.kernel_abi import KernelError
+    from cbrun.engine.backends.cpu.kernels.abi import KernelError
 
     x = torch.randn(3, 8)
     with pytest.raises(KernelError, match="weights in one call"):
@@ -194,7 +194,7 @@ def test_sliding_window_rows_are_the_same_in_a_chunk_and_alone(dtype):
 
 @needs_kernels
 def test_attend_refuses_inconsistent_tasks():
-    from cbrun.engine.backends.cpu.kernel_abi import KernelError
+    from cbrun.engine.backends.cpu.kernels.abi import KernelError
 
     k_pool, v_pool = _pools(torch.float32)
     q = torch.randn(2, 4, 16)

@@ -9,7 +9,7 @@ import torch
 from engine_helpers import random_prompts, reference_logprobs, run_engine
 
 from cbrun.engine import ConfigError, Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.sample.token_masks import without_tokens
 from cbrun.models import load_model
 

@@ -20,14 +20,14 @@ import sys
 import pytest
 import torch
 
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="compiled CPU kernels unavailable (no C compiler)")
 
 _DRAWS = """
 import json, sys, torch
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.request import Request
 from cbrun.engine.sample.sampler import sample
 from cbrun.engine.sampling_params import SamplingParams
@@ -49,7 +49,7 @@ def _draws(capability: str) -> list:
 
 
 def test_filtered_draws_do_not_depend_on_the_isa_torch_runs():
-    from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
+    from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
 
     flags = set(cpu_flags().split())
     capabilities = ["default", "avx2"] + (["avx512"] if {"avx512f", "avx512bw", "avx512vl"} <= flags else [])

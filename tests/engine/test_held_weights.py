@@ -16,7 +16,7 @@ import torch
 from helpers import save_tiny_model
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.models import load_model
 
 kernels = load_cpu_kernels()
@@ -144,7 +144,7 @@ def test_packing_rows_of_a_wider_matrix_equals_packing_their_copy(role):
     "gated,widths", [(True, [48, 48]), (False, [64, 32, 40]), (False, [40, 32, 24])]
 )  # members on whole blocks (computed from their own blocks) and not (sliced out of the whole)
 def test_a_member_of_a_fused_method_computes_alone_as_in_the_whole(gated, widths):
-    from cbrun.engine.backends.cpu.linear_methods import DP_TWIN
+    from cbrun.engine.backends.cpu.linear.methods import DP_TWIN
 
     gen = torch.Generator().manual_seed(6)
     weights = [torch.randn(n, 96, generator=gen).to(torch.bfloat16) for n in widths]
@@ -161,7 +161,7 @@ def test_a_member_of_a_fused_method_computes_alone_as_in_the_whole(gated, widths
 
 
 def test_replacing_a_member_in_place_equals_packing_the_new_weights():
-    from cbrun.engine.backends.cpu.linear_methods import DP_TWIN
+    from cbrun.engine.backends.cpu.linear.methods import DP_TWIN
 
     gen = torch.Generator().manual_seed(7)
     weights = [torch.randn(48, 64, generator=gen).to(torch.bfloat16) for _ in range(2)]
@@ -176,7 +176,7 @@ def test_replacing_a_member_in_place_equals_packing_the_new_weights():
 
 def _onednn_bf16_here() -> bool:
     """oneDNN's bf16 weight reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT (torch refuses it on AVX2 CPUs)."""
-    from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
+    from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
 
     flags = set(cpu_flags().split())
     return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
@@ -184,7 +184,7 @@ def _onednn_bf16_here() -> bool:
 
 @pytest.mark.skipif(not _onednn_bf16_here(), reason="oneDNN's bf16 blocks need AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
 def test_onednn_blocks_hold_their_weights_and_give_them_back():
-    from cbrun.engine.backends.cpu.linear_methods import ONEDNN_B64
+    from cbrun.engine.backends.cpu.linear.methods import ONEDNN_B64
 
     gen = torch.Generator().manual_seed(8)
     weights = [torch.randn(40, 64, generator=gen).to(torch.bfloat16) for _ in range(2)]

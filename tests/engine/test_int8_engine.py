@@ -17,8 +17,8 @@ from engine_helpers import random_prompts, run_requests
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.base import BackendUnavailable
-from cbrun.engine.backends.cpu.int8_linear import Int8Linear
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.linear.int8 import Int8Linear
 from cbrun.engine.config import ConfigError
 from cbrun.models import load_model
 

@@ -15,7 +15,7 @@ import torch
 from engine_helpers import load_pair, random_prompts, reference_logprobs
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.request import Request
 from cbrun.engine.sample.sampler import sample
 from cbrun.engine.sample.scoring import score_logits

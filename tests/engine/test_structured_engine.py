@@ -16,7 +16,7 @@ import torch
 from engine_helpers import reference_logprobs
 
 from cbrun.engine import ConfigError, Engine, EngineConfig, SamplingParams, StructuredSpec
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.grammar import grammar_text
 from cbrun.models import load_model
 

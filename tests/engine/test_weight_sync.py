@@ -15,7 +15,7 @@ import torch
 from helpers import save_tiny_model
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.models import load_model
 
 kernels = load_cpu_kernels()

@@ -10,7 +10,7 @@ from lora_helpers import random_pairs, save
 from cbrun import LLM, LoRARequest, SamplingParams
 from cbrun.cli.app import main
 from cbrun.cli.common import CliError, build_engine_config
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.models import load_model
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="compiled CPU kernels unavailable")

@@ -18,7 +18,7 @@ from engine_helpers import random_prompts
 from lora_helpers import merged_weights, random_pairs, save, state_dict
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.lora.adapters import AdapterLinear, LoRAAdapters
 from cbrun.lora.peft_files import AdapterError
 from cbrun.models import load_model

@@ -9,7 +9,7 @@ import pytest
 from lora_helpers import random_pairs, save, state_dict
 
 from cbrun import LLM, LoRARequest, SamplingParams
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.llm import AsyncLLM
 from cbrun.lora.peft_files import AdapterError
 from cbrun.lora.request import LoRARequest as RequestFromItsModule

@@ -7,7 +7,7 @@ import torch
 from engine_helpers import random_prompts
 
 from cbrun.engine import Engine, EngineConfig
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.models import load_model
 
 peft = pytest.importorskip("peft")

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.int8_kernels import quantize_weight
-from cbrun.engine.backends.cpu.int8_linear import PREQUANTIZED, Int8Linear
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.int8 import quantize_weight
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.linear.int8 import PREQUANTIZED, Int8Linear
 from cbrun.models import ModelLoadError, load_model
 
 SCHEME = {

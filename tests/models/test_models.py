@@ -377,8 +377,8 @@ def test_bad_dtype_fails_before_any_loading():
 
 
 def test_auto_dtype_on_cpu_is_bf16_exactly_where_the_cpu_has_bf16_dot_products(monkeypatch):
-    from cbrun.engine.backends.cpu import method_selector
-    from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
+    from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
+    from cbrun.engine.backends.cpu.linear import method_selector
 
     has_dot_products = bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if has_dot_products else torch.float32)

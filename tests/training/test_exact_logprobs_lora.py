@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cbrun.engine import Engine, EngineConfig, SamplingParams
-from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.lora.peft_files import AdapterError
 from cbrun.models import load_model
 from cbrun.training import ExactLogprobs

@@ -58,7 +58,7 @@ def _cpu(device: torch.device, policy: str, quantization: str | None, required: 
     if device.type != "cpu":
         raise BackendUnavailable(f"the cpu backend runs models on the CPU; this model is on {device}")
     from cbrun.engine.backends.cpu.backend import CpuBackend
-    from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+    from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if kernels is not None:

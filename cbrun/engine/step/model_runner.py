@@ -15,13 +15,13 @@ One layer's path, which no single file shows (set up once, then per step):
     EngineCore.__init__ (core.py)        model.set_attn_implementation(register_attention()): the name
                                          "cbrun_paged" -> step/attention.py `paged_attention`, in
                                          transformers' AttentionInterface registry
-    CpuBackend.install (cpu/backend.py)  install_fused_layers (fused_layers.py): each Llama-shaped layer
+    CpuBackend.install (cpu/backend.py)  install_fused_layers (fused/layers.py): each Llama-shaped layer
                                          that passes its probe gets, per instance, `forward =
-                                         partial(fused_forward, ...)` (HeldWeights.route, held_weights.py)
+                                         partial(fused_forward, ...)` (HeldWeights.route, linear/held_weights.py)
     step: EngineCore.step -> ModelRunner.forward -> self.model.model(**kwargs), the batch and the
           backend in kwargs as BATCH_KWARG / BACKEND_KWARG (and LORA_KWARG)
       -> transformers' decoder model (e.g. LlamaModel.forward) calls each layer with **kwargs
-      -> fused layer: fused_forward -> _attention (fused_layers.py), or a stock layer: its self_attn
+      -> fused layer: fused_forward -> _attention (fused/layers.py), or a stock layer: its self_attn
       -> both look the attention up by name: ALL_ATTENTION_FUNCTIONS.get_interface(
          config._attn_implementation) -> paged_attention(module, q, k, v, mask, **kwargs)
       -> paged_attention pulls the PagedBatch and the Backend out of **kwargs, writes K/V and attends

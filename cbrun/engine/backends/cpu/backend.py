@@ -3,7 +3,7 @@
 The engine core wires this and nothing else of the CPU path. At install it
 routes the model's linear layers through the compiled linear kernel
 (linear.py), gives Llama-shaped decoder layers the fused forward
-(fused_layers.py) and decides once whether the compiled attention applies
+(fused/layers.py) and decides once whether the compiled attention applies
 to the model; per step its metadata builder plans the attention tasks, and
 the kernels run. The "kernel layout or torch" dispatch of attention is
 KernelBackend's (kernel_backend.py); this backend supplies the compiled
@@ -21,13 +21,13 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from cbrun.engine.backends.base import BackendUnavailable, KernelRows
-from cbrun.engine.backends.cpu.attention_tasks import plan_tasks
-from cbrun.engine.backends.cpu.fused_layers import LayerPlan, install_fused_layers
-from cbrun.engine.backends.cpu.held_weights import HeldWeights
-from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear import install_linear_methods, linear_shapes
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
-from cbrun.engine.backends.cpu.method_selector import MethodChoice, choose_linear_method
+from cbrun.engine.backends.cpu.fused.attention_tasks import plan_tasks
+from cbrun.engine.backends.cpu.fused.layers import LayerPlan, install_fused_layers
+from cbrun.engine.backends.cpu.kernels.cpu_kernels import CpuKernels
+from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
+from cbrun.engine.backends.cpu.linear.install import install_linear_methods, linear_shapes
+from cbrun.engine.backends.cpu.linear.method_selector import MethodChoice, choose_linear_method
+from cbrun.engine.backends.cpu.linear.methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.backends.kernel_backend import KernelBackend
 from cbrun.engine.backends.metadata import SequenceRows
 from cbrun.engine.host_memory import give_back_memory, keep_freed_blocks
@@ -85,8 +85,8 @@ class CpuBackend(KernelBackend):
     ) -> None:
         super().__init__(CpuAttention(kernels))  # the torch layout until install finds the attention applies
         self.kernels = kernels
-        self.policy = policy  # which linear methods may serve (method_selector.py)
-        self.quantization = quantization  # "int8": W8A8 for every linear but the output head (int8_linear.py)
+        self.policy = policy  # which linear methods may serve (linear/method_selector.py)
+        self.quantization = quantization  # "int8": W8A8 for every linear but the output head (linear/int8.py)
         self.keep_dense = keep_dense  # the methods pack copies; the model keeps its own tensors (HeldWeights)
         self.linears: dict[torch.nn.Linear, LayerMethod | MemberForward] = {}
         self.fused_layers: list[LayerPlan] = []

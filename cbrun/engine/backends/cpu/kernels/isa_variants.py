@@ -1,12 +1,12 @@
 """Which ISA variants of the kernels run on this CPU, and which serves bf16 attention: decided once, at load.
 
 As ggml-cpu scores its variants against the running CPU in one place at load
-(`ggml-cpu/arch/x86/cpu-feats.cpp`), the loader (kernel_loader.py) asks the
+(`ggml-cpu/arch/x86/cpu-feats.cpp`), the loader (kernels/loader.py) asks the
 library once, for every variant of every family in kernel_abi.VARIANTS
 (bf16 pair dots: scalar, twin, isa; int8: scalar, avx2, vnni, amx), whether
 this CPU runs it (the CPU reports the instructions; AMX: Linux also grants
 the tile state). The kernels object keeps the answer: the linear methods read
-it before their self-check at the model's shapes (method_selector.py), and no
+it before their self-check at the model's shapes (linear/method_selector.py), and no
 kernel call asks the CPU again.
 
 bf16 attention scores are dot products of bf16 pairs, the arithmetic of
@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from cbrun.engine.backends.cpu.kernel_abi import VARIANTS, KernelError, check, ptr
+from cbrun.engine.backends.cpu.kernels.abi import VARIANTS, KernelError, check, ptr
 
 log = logging.getLogger("cbrun.engine")
 

@@ -1,6 +1,6 @@
 """The model's linear layers on CPU: each nn.Linear computes through its layer method, made once at load.
 
-The backend chooses one linear method per weight dtype (method_selector.py)
+The backend chooses one linear method per weight dtype (linear/method_selector.py)
 and this module gives every plain nn.Linear the method of its dtype: the
 method packs the layer's weights once (or reads them in place) and computes
 the layer for any number of rows in one order, so a request's projections are
@@ -10,7 +10,7 @@ call and switch kernels with M.
 
 The patch is per module instance (a `forward` attribute), installed by the
 backend for the engine's lifetime; the method then holds the weight (the
-module's dense copy is dropped, held_weights.py), and the backend's close
+module's dense copy is dropped, linear/held_weights.py), and the backend's close
 gives both back.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from cbrun.engine.backends.cpu.held_weights import HeldWeights
-from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
-from cbrun.engine.backends.cpu.self_check import Shape
+from cbrun.engine.backends.cpu.kernels.cpu_kernels import CpuKernels
+from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
+from cbrun.engine.backends.cpu.linear.methods import LayerMethod, LinearMethod, MemberForward
+from cbrun.engine.backends.cpu.linear.self_check import Shape
 
 
 def linear_shapes(
@@ -42,7 +42,7 @@ def install_linear_methods(
     model: torch.nn.Module, kernels: CpuKernels, methods: dict[torch.dtype, LinearMethod], held: HeldWeights
 ) -> dict[torch.nn.Linear, LayerMethod | MemberForward]:
     """Route every nn.Linear whose dtype has a method, and that no fused layer holds already, through a layer
-    method of it, which then holds its weight (held_weights.py); returns every routed linear's forward by
+    method of it, which then holds its weight (linear/held_weights.py); returns every routed linear's forward by
     module, the fused layers' members included. (A plain output head is projected by the backend itself, to
     fp32 logits, with the same layer method.)"""
     for module in model.modules():

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from cbrun.engine.backends.cpu.kernel_abi import KernelError
-from cbrun.engine.backends.cpu.kernel_build import cache_root
-from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.build.kernel_build import cache_root
+from cbrun.engine.backends.cpu.kernels.abi import KernelError
+from cbrun.engine.backends.cpu.kernels.cpu_kernels import CpuKernels
+from cbrun.engine.backends.cpu.linear.methods import LayerMethod, LinearMethod
 
 log = logging.getLogger("cbrun.engine")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.backends.cpu.kernel_abi import KernelError, check, threads
+from cbrun.engine.backends.cpu.kernels.abi import KernelError, check, threads
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (A [r, K], B^T [r, N]) fp32, contiguous
 # Per group: its rows [n] int64 (ascending) and, per member, its pair or None.

@@ -10,14 +10,14 @@
   logits row in one parallel pass, where torch needs several full passes.
 - Linear layers read their weights in place (fp32 or bf16, fp32 sums); weights
   sharing an input (q|k|v, gate|up with SiLU) go in one pass; LoRA deltas too.
-- RMSNorm (with the residual add) and rotary embeddings for fused_layers.py.
+- RMSNorm (with the residual add) and rotary embeddings for fused/layers.py.
 
 Every kernel gives a row the same bits whatever else is in the call (batch
 invariance; see linear.c and attention.c for how).
 
-The kernels are plain C (csrc/), built at first use (kernel_build.py) and
-loaded with their ISA variants scored (kernel_loader.py, isa_variants.py);
-every call crosses the typed seam of kernel_abi.py. Without a compiler, or
+The kernels are plain C (csrc/), built at first use (build/kernel_build.py) and
+loaded with their ISA variants scored (kernels/loader.py, kernels/isa_variants.py);
+every call crosses the typed seam of kernels/abi.py. Without a compiler, or
 with CBRUN_KERNELS=torch, the engine uses the torch paths, which compute the
 same results up to rounding (and are the reference in tests).
 """
@@ -32,9 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from cbrun.engine.backends.cpu.int8_kernels import Int8Kernels
-from cbrun.engine.backends.cpu.isa_variants import IsaVariants, dp_scores
-from cbrun.engine.backends.cpu.kernel_abi import (
+from cbrun.engine.backends.cpu.kernels.abi import (
     VARIANTS,
     AttendParams,
     DenseParams,
@@ -50,23 +48,25 @@ from cbrun.engine.backends.cpu.kernel_abi import (
     threads,
     unit_stride_rows,
 )
-from cbrun.engine.backends.cpu.lora_kernels import LoraKernels
-from cbrun.engine.backends.cpu.pair_dot_kernels import LINEAR_DTYPES, PairDotKernels
-from cbrun.engine.backends.cpu.sampling_calls import SamplingCalls
+from cbrun.engine.backends.cpu.kernels.int8 import Int8Kernels
+from cbrun.engine.backends.cpu.kernels.isa_variants import IsaVariants, dp_scores
+from cbrun.engine.backends.cpu.kernels.lora import LoraKernels
+from cbrun.engine.backends.cpu.kernels.pair_dot import LINEAR_DTYPES, PairDotKernels
+from cbrun.engine.backends.cpu.kernels.sampling import SamplingCalls
 from cbrun.engine.backends.metadata import PagedRows
 
 
 class CpuKernels(SamplingCalls):
     """ctypes bindings of the compiled kernels: paged attention, K/V writes, linear layers, and the fused
     decoder layers' norm, rotary and activation; sampling's calls come from SamplingCalls. The packed linears
-    and LoRA are parts of their own: `dp` (pair_dot_kernels.py: bf16 pairs), `int8` (int8_kernels.py) and
-    `lora` (lora_kernels.py)."""
+    and LoRA are parts of their own: `dp` (kernels/pair_dot.py: bf16 pairs), `int8` (kernels/int8.py) and
+    `lora` (kernels/lora.py)."""
 
     _ATTEND: ClassVar[dict[torch.dtype, str]] = {torch.float32: "paged_attend_f32", torch.bfloat16: "paged_attend_bf16"}
     MAX_GROUP = 64  # query heads per kv head (MAX_G in attention.c)
 
     def __init__(self, library: ctypes.CDLL, variants: IsaVariants) -> None:
-        """`library` bound (kernel_abi.bind), `variants` what the load found this CPU runs (isa_variants.py)."""
+        """`library` bound (kernel_abi.bind), `variants` what the load found this CPU runs (kernels/isa_variants.py)."""
         self._lib = library
         self.variants = variants
         self.build_name = Path(library._name).stem  # names the build: sources, flags, compiler, CPU flags

@@ -1,5 +1,5 @@
-"""The compiled CPU kernels, loaded once per process: built (kernel_build.py), bound to their typed seam
-(kernel_abi.py), their ISA variants scored (isa_variants.py), then wrapped (kernels.py).
+"""The compiled CPU kernels, loaded once per process: built (build/kernel_build.py), bound to their typed seam
+(kernels/abi.py), their ISA variants scored (kernels/isa_variants.py), then wrapped (kernels.py).
 
 Without a compiler, or with CBRUN_KERNELS=torch, there are none and the engine
 uses the torch paths, which compute the same results up to rounding (and are
@@ -13,10 +13,10 @@ import logging
 import os
 import threading
 
-from cbrun.engine.backends.cpu import kernel_build
-from cbrun.engine.backends.cpu.isa_variants import score_variants
-from cbrun.engine.backends.cpu.kernel_abi import bind
-from cbrun.engine.backends.cpu.kernels import CpuKernels
+from cbrun.engine.backends.cpu.build import kernel_build
+from cbrun.engine.backends.cpu.kernels.abi import bind
+from cbrun.engine.backends.cpu.kernels.cpu_kernels import CpuKernels
+from cbrun.engine.backends.cpu.kernels.isa_variants import score_variants
 
 log = logging.getLogger("cbrun.engine")
 

@@ -1,7 +1,7 @@
 """The machine-local bf16 linear method: oneDNN's packed GEMM on fixed 64-row blocks (`kernels="fastest"`).
 
 Batch invariance comes from never letting oneDNN see the batch: every call is one block of 64 rows (the last
-zero-padded), so its blocking over K cannot change with M (linear_methods.py says why it is opt-in).
+zero-padded), so its blocking over K cannot change with M (linear/methods.py says why it is opt-in).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cbrun.engine.backends.cpu.packed_layout import fp32_bias, offsets
+from cbrun.engine.backends.cpu.linear.packed_layout import fp32_bias, offsets
 
 
 class BlockedOneDnn:

@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from cbrun.engine.backends.cpu.kernel_abi import KernelError, SampleParams, ptr, threads
+from cbrun.engine.backends.cpu.kernels.abi import KernelError, SampleParams, ptr, threads
 
 
 class SamplingCalls:

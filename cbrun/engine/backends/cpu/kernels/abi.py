@@ -74,7 +74,7 @@ class AbiStruct(IntEnum):
     KV_WRITE = 5
 
 
-# The one variant table: each family of ISA variants by name, fastest last (kernel_loader.py scores them at load).
+# The one variant table: each family of ISA variants by name, fastest last (kernels/loader.py scores them at load).
 VARIANTS: dict[str, dict[str, int]] = {
     "dp": {"scalar": DpVariant.SCALAR, "twin": DpVariant.TWIN, "isa": DpVariant.ISA, "amx": DpVariant.AMX},
     "int8": {"scalar": I8Variant.SCALAR, "avx2": I8Variant.AVX2, "vnni": I8Variant.VNNI, "amx": I8Variant.AMX},

@@ -35,9 +35,9 @@ from typing import Protocol, TypeGuard
 
 import torch
 
-from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.onednn_linear import BlockedOneDnn
-from cbrun.engine.backends.cpu.packed_layout import PackedLinear
+from cbrun.engine.backends.cpu.kernels.cpu_kernels import CpuKernels
+from cbrun.engine.backends.cpu.linear.onednn import BlockedOneDnn
+from cbrun.engine.backends.cpu.linear.packed_layout import PackedLinear
 from cbrun.engine.weights import shareable
 
 

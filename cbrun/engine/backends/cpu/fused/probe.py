@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cbrun.engine.backends.cpu.held_weights import HeldWeights
+from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
 
 # A transformers decoder layer (its modules and settings are read generically).
 Layer = Any

@@ -34,10 +34,10 @@ from typing import TypeGuard
 
 import torch
 
-from cbrun.engine.backends.cpu.int8_kernels import dequantize_weight, quantize_weight
-from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod
-from cbrun.engine.backends.cpu.packed_layout import PackedLinear
+from cbrun.engine.backends.cpu.kernels.cpu_kernels import CpuKernels
+from cbrun.engine.backends.cpu.kernels.int8 import dequantize_weight, quantize_weight
+from cbrun.engine.backends.cpu.linear.methods import LayerMethod, LinearMethod
+from cbrun.engine.backends.cpu.linear.packed_layout import PackedLinear
 
 PREQUANTIZED = "cbrun_int8"  # a weight tensor's attribute: its int8 form (q [N, K] int8, scale [N] fp32)
 

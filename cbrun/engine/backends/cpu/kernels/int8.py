@@ -1,8 +1,8 @@
 """The int8 linear kernels (linear_int8.c) from Python: weight quantization, packing, and the W8A8 GEMM.
 
 The signatures, variant, role and mode numbers are declared with every other
-kernel's, in kernel_abi.py; which variants run here is found at load
-(isa_variants.py). This module checks the tensors and calls them. Weights are quantized
+kernel's, in kernels/abi.py; which variants run here is found at load
+(kernels/isa_variants.py). This module checks the tensors and calls them. Weights are quantized
 here, once, in torch (elementwise IEEE operations: the same bits on every
 CPU); activations are quantized by the kernel, row by row, at every call.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cbrun.engine.backends.cpu.kernel_abi import (
+from cbrun.engine.backends.cpu.kernels.abi import (
     MODES,
     ROLES,
     VARIANTS,
@@ -30,7 +30,7 @@ from cbrun.engine.backends.cpu.kernel_abi import (
 )
 
 if TYPE_CHECKING:
-    from cbrun.engine.backends.cpu.isa_variants import IsaVariants
+    from cbrun.engine.backends.cpu.kernels.isa_variants import IsaVariants
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -65,7 +65,7 @@ class Int8Kernels:
 
     def variant_runs(self, variant: str) -> bool:
         """Whether this CPU runs the variant (avx2, vnni: the CPU reports the ISA; amx: also Linux grants tiles),
-        as the load found (isa_variants.py)."""
+        as the load found (kernels/isa_variants.py)."""
         return self.variants.runnable("int8", variant)
 
     def inner_fits(self, inner: int) -> bool:

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from cbrun.engine.backends.cpu.int8_linear import PREQUANTIZED
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod
+from cbrun.engine.backends.cpu.linear.int8 import PREQUANTIZED
+from cbrun.engine.backends.cpu.linear.methods import LayerMethod
 from cbrun.engine.weights import checked_targets, distinct_updates, model_weight_bytes, place
 
 _MADV_DONTNEED = 4

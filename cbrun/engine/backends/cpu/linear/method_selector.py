@@ -11,7 +11,7 @@ Policies (EngineConfig.kernels, `--kernels`):
 
 int8 (EngineConfig.quantization): one W8A8 method serves every linear but the
 output head, the first of AMX-INT8, AVX512-VNNI, AVX2 and the plain-C
-reference that passes (all give the same bits: int8_linear.py).
+reference that passes (all give the same bits: linear/int8.py).
 
 A candidate that fails its check is skipped with one log line and the next
 one serves; the results go to `cbrun info` and the run summary.
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cbrun.engine.backends.cpu.int8_linear import INT8_AMX, INT8_AVX2, INT8_SCALAR, INT8_VNNI
-from cbrun.engine.backends.cpu.kernels import CpuKernels
-from cbrun.engine.backends.cpu.linear_methods import DP_AMX, DP_ISA, DP_SCALAR, DP_TWIN, F32, ONEDNN_B64, LinearMethod
-from cbrun.engine.backends.cpu.self_check import CheckResult, Shape, check_method
+from cbrun.engine.backends.cpu.kernels.cpu_kernels import CpuKernels
+from cbrun.engine.backends.cpu.linear.int8 import INT8_AMX, INT8_AVX2, INT8_SCALAR, INT8_VNNI
+from cbrun.engine.backends.cpu.linear.methods import DP_AMX, DP_ISA, DP_SCALAR, DP_TWIN, F32, ONEDNN_B64, LinearMethod
+from cbrun.engine.backends.cpu.linear.self_check import CheckResult, Shape, check_method
 from cbrun.engine.config import KERNEL_POLICIES
 
 log = logging.getLogger("cbrun.engine")
@@ -120,8 +120,8 @@ def bf16_dot_products_here() -> tuple[bool, str]:
     """Whether this CPU has bf16 dot products that serve: it reports AVX512-BF16 or AMX-BF16, the kernels
     build, and the tiles (or vdpbf16ps) pass their self-check (at small shapes; the model's shapes are checked at load).
     Returns (ready, why) for `--dtype auto` and `cbrun info`."""
-    from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
-    from cbrun.engine.backends.cpu.kernel_loader import load_cpu_kernels
+    from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
+    from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 
     flags = set(cpu_flags().split())
     if not flags & {"avx512_bf16", "amx_bf16"}:

@@ -2,9 +2,9 @@
 
 The kernels are plain C with OpenMP and vector extensions (csrc/), built with
 the local C compiler (-march=native) in a few seconds and loaded through
-ctypes (kernel_loader.py). The library's name includes a digest of the
+ctypes (kernels/loader.py). The library's name includes a digest of the
 sources and headers, the flags, the compiler's version and the CPU's feature
-flags (cpu_facts.py), so a library built on another CPU (a shared home
+flags (build/cpu_facts.py), so a library built on another CPU (a shared home
 directory) is never loaded where it could stop the process on an illegal
 instruction. Builds are atomic: concurrent builders never see half a file.
 """
@@ -21,12 +21,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cbrun.engine.backends.cpu.cpu_facts import cpu_flags
+from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
 from cbrun.user_cache import cache_dir
 
 log = logging.getLogger("cbrun.engine")
 
-_SOURCES = Path(__file__).with_name("csrc")  # *.c built into one library, with their shared header
+_SOURCES = Path(__file__).parents[1] / "csrc"  # *.c built into one library, with their shared header
 # CBRUN_KERNEL_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2 only), for a cluster's
 # lowest common ISA or to check that an AVX2 build gives the same bits here
 _MARCH = os.environ.get("CBRUN_KERNEL_MARCH") or "native"

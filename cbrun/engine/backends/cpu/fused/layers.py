@@ -15,13 +15,13 @@ kernel calls:
 It applies to layers shaped like Llama's (Llama, Mistral, Qwen2, Qwen3 with
 its per-head q/k norms, SmolLM, ...): the structure is checked, and then each
 distinct layer is run both ways on random inputs at install time
-(fused_probe.py); a layer whose fused result differs from its stock forward
+(fused/probe.py); a layer whose fused result differs from its stock forward
 keeps the stock forward. Every
 projection goes through the compiled linear kernel, whose sums do not depend
 on the number of rows (batch invariance).
 
 Installed per module instance (a `forward` attribute) by the CPU backend,
-which removes it at close, like the kernel linears' (held_weights.py).
+which removes it at close, like the kernel linears' (linear/held_weights.py).
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cbrun.engine.backends.cpu.fused_probe import INT8_PROBE_TOLERANCE, probe, probe_key, register_probe_attention
-from cbrun.engine.backends.cpu.held_weights import HeldWeights
-from cbrun.engine.backends.cpu.linear_methods import LayerMethod, LinearMethod, MemberForward
+from cbrun.engine.backends.cpu.fused.probe import INT8_PROBE_TOLERANCE, probe, probe_key, register_probe_attention
+from cbrun.engine.backends.cpu.linear.held_weights import HeldWeights
+from cbrun.engine.backends.cpu.linear.methods import LayerMethod, LinearMethod, MemberForward
 from cbrun.engine.model_spec import CausalLM
 from cbrun.lora.step import LORA_KWARG, StepLoRA
 
 if TYPE_CHECKING:
-    from cbrun.engine.backends.cpu.kernels import CpuKernels
+    from cbrun.engine.backends.cpu.kernels.cpu_kernels import CpuKernels
 
 # A transformers decoder layer or attention module: its parts (self_attn, mlp, norms; config, scaling,
 # sliding_window) are read by name, as the architecture defines them.

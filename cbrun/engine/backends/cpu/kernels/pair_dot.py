@@ -1,10 +1,10 @@
 """The bf16 pair-dot linears (linear_dpbf16.c) from Python: packing weights once, and the GEMM on the packed blocks.
 
 The kernels object holds these as `kernels.dp`, as it holds the int8 linears
-as `kernels.int8` (int8_kernels.py): the packed layout and its checks are one
+as `kernels.int8` (kernels/int8.py): the packed layout and its checks are one
 role, with its own scratch. The variant a call runs ("scalar", "twin", "isa", "amx")
 is chosen by the linear method after the load found which run here
-(isa_variants.py); see linear_dpbf16.c and tile_order.h for the arithmetic they share.
+(kernels/isa_variants.py); see linear_dpbf16.c and tile_order.h for the arithmetic they share.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cbrun.engine.backends.cpu.kernel_abi import (
+from cbrun.engine.backends.cpu.kernels.abi import (
     MODES,
     ROLES,
     VARIANTS,
@@ -30,7 +30,7 @@ from cbrun.engine.backends.cpu.kernel_abi import (
 )
 
 if TYPE_CHECKING:
-    from cbrun.engine.backends.cpu.isa_variants import IsaVariants
+    from cbrun.engine.backends.cpu.kernels.isa_variants import IsaVariants
 
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 

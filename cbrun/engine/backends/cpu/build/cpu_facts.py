@@ -1,6 +1,6 @@
 """What the running CPU is: its feature flags and model name, read in one place.
 
-The flags key the kernel build (kernel_build.py: -march=native bakes them into
+The flags key the kernel build (build/kernel_build.py: -march=native bakes them into
 the library) and show in `cbrun info` and the bench report beside the model name.
 """
 
