@@ -93,6 +93,16 @@ _COMMON = dict(
 
 
 @pytest.fixture(scope="session")
+def avx2_kernel_cache(tmp_path_factory) -> Path:
+    """One CBRUN_CACHE for the tests that run an AVX2 build (CBRUN_KERNEL_MARCH=x86-64-v3) in a subprocess, so the
+    library is compiled once per run, not once per test; its build key is the flags, so it never mixes with this
+    CPU's own build. Shared by the xdist workers (their common base); the build's rename makes a race harmless."""
+    root = tmp_path_factory.getbasetemp().parent / "avx2-kernel-cache"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     """The byte-level BPE tokenizer saved beside every tiny model (PreTrainedTokenizerFast)."""
     return build_tiny_tokenizer()

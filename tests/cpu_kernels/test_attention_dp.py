@@ -167,11 +167,11 @@ torch.save(t.attention_through("twin"), {out!r})
 
 @pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 @pytest.mark.skipif("avx512f" not in cpu_flags().split(), reason="this CPU runs the AVX2 build: the tests above")
-def test_an_avx2_builds_twin_gives_this_builds_bits(tmp_path):
+def test_an_avx2_builds_twin_gives_this_builds_bits(tmp_path, avx2_kernel_cache):
     """The kernels built for AVX2 (8-lane twin vectors) compute the attention of the native build's twin and
     instruction bit for bit: what an AVX2-only machine computes, checked on this one."""
     out = tmp_path / "avx2.pt"
-    env = dict(os.environ, CBRUN_KERNEL_MARCH="x86-64-v3", CBRUN_CACHE=str(tmp_path))
+    env = dict(os.environ, CBRUN_KERNEL_MARCH="x86-64-v3", CBRUN_CACHE=str(avx2_kernel_cache))
     script = _AVX2_RUN.format(here=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]), out=str(out))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -107,12 +107,14 @@ ref._check(key, *load_model({model!r}, dtype={dtype!r}, device="cpu"), quantizat
 @pytest.mark.skipif("avx512f" not in cpu_flags().split(), reason="this CPU runs the AVX2 build: the tests above")
 @pytest.mark.parametrize("quantization", [None, "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_avx2_build_on_this_cpu_gives_the_reference_bits(tiny_llama_dir, dtype, quantization, tmp_path):
+def test_an_avx2_build_on_this_cpu_gives_the_reference_bits(tiny_llama_dir, dtype, quantization, avx2_kernel_cache):
     """The kernels built for AVX2 (8 lanes, the pair-dot twin, int8 on vpmaddwd) and torch held to AVX2 give the
     same bits as the native AVX-512 build: what an AVX2-only machine computes, checked on this one."""
     if WRITE:
         pytest.skip("writing the reference")
-    env = dict(os.environ, CBRUN_KERNEL_MARCH="x86-64-v3", ATEN_CPU_CAPABILITY="avx2", CBRUN_CACHE=str(tmp_path))
+    env = dict(
+        os.environ, CBRUN_KERNEL_MARCH="x86-64-v3", ATEN_CPU_CAPABILITY="avx2", CBRUN_CACHE=str(avx2_kernel_cache)
+    )
     script = _AVX2_RUN.format(
         here=str(Path(__file__).parent),
         tests=str(Path(__file__).parents[1]),
