@@ -82,7 +82,16 @@ def drive(args: argparse.Namespace) -> None:
     cpus = args.cpus or default_cpus(1, args.replicas, args.address is None)
     model = args.model or "fake"
     sampling = dict(SAMPLING)
-    job = RayJob(plan, store, CbrunFormat(), dict(model=model, sampling=sampling), args.replicas, 1, cpus, args.window)
+    job = RayJob(
+        plan=plan,
+        store=store,
+        fmt=CbrunFormat(),
+        generator=dict(model=model, sampling=sampling),
+        replicas=args.replicas,
+        threads=1,
+        cpus_per_replica=cpus,
+        window=args.window,
+    )
     if args.kill_actors:
         threading.Thread(target=_kill_actors, args=(store, args.kill_actors), daemon=True).start()
     if args.die_at:

@@ -105,15 +105,15 @@ class FakeEngine:
             )
             self._ready.append(
                 GenerationOutput(
-                    request_id,
-                    sample,
-                    ids,
-                    tokens,
-                    self.tokenizer.decode(tokens),
-                    [-0.25] * len(tokens),
-                    "error" if error else "length",
-                    error,
-                    top,
+                    request_id=request_id,
+                    sample_index=sample,
+                    prompt_token_ids=ids,
+                    token_ids=tokens,
+                    text=self.tokenizer.decode(tokens),
+                    logprobs=[-0.25] * len(tokens),
+                    finish_reason="error" if error else "length",
+                    error=error,
+                    top_logprobs=top,
                     num_cached_tokens=0,
                 )
             )
@@ -134,14 +134,14 @@ class FakeEngine:
         if hard:
             self._ready = [
                 GenerationOutput(
-                    o.request_id,
-                    o.sample_index,
-                    o.prompt_token_ids,
-                    [],
-                    "",
-                    [],
-                    "error",
-                    "engine stopped before the request finished",
+                    request_id=o.request_id,
+                    sample_index=o.sample_index,
+                    prompt_token_ids=o.prompt_token_ids,
+                    token_ids=[],
+                    text="",
+                    logprobs=[],
+                    finish_reason="error",
+                    error="engine stopped before the request finished",
                 )
                 for o in self._ready
             ]

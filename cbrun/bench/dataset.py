@@ -96,5 +96,14 @@ def dataset_workload(
         detail = f" ({data.skipped[0]})" if data.skipped else ""
         raise ValueError(f"{path}: no usable prompt rows{detail}")
     structured = data.structured if any(s is not None for s in data.structured) else None
-    workload = Workload(data.prompts, data.output_lens, n, ignore_eos, temperature, seed, str(path), structured)
+    workload = Workload(
+        prompts=data.prompts,
+        output_lens=data.output_lens,
+        n=n,
+        ignore_eos=ignore_eos,
+        temperature=temperature,
+        seed=seed,
+        source=str(path),
+        structured=structured,
+    )
     return workload, data.skipped

@@ -22,7 +22,7 @@ WARMUP_PROMPTS = 8
 WARMUP_MAX_OUTPUT = 16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Workload:
     """Requests for one timed pass: prompt i asks for output_lens[i] tokens, n samples each."""
 
@@ -126,7 +126,15 @@ def random_workload(
     input_lens = draw_lengths(rng, input_len, range_ratio, num_prompts)
     output_lens = draw_lengths(rng, output_len, range_ratio, num_prompts)
     prompts = [prefix + rng.choice(token_ids, size=length).tolist() for length in input_lens]
-    return Workload(prompts, output_lens, n, ignore_eos, temperature, seed, "random")
+    return Workload(
+        prompts=prompts,
+        output_lens=output_lens,
+        n=n,
+        ignore_eos=ignore_eos,
+        temperature=temperature,
+        seed=seed,
+        source="random",
+    )
 
 
 def warmup_workload(workload: Workload, token_ids: np.ndarray) -> Workload:

@@ -100,7 +100,16 @@ def run_ray(
             raise CliError("OpenAI Batch API input does not work with --ray; run it without --ray")
         generator = generator_args(opts, sampling, engine_config, keep, structured=fmt.structured)
         cpus = opts.cpus_per_replica or ray_job.default_cpus(opts.threads_per_replica, opts.replicas, address is None)
-        job = ray_job.RayJob(plan, store, fmt, generator, opts.replicas, opts.threads_per_replica, cpus, opts.window)
+        job = ray_job.RayJob(
+            plan=plan,
+            store=store,
+            fmt=fmt,
+            generator=generator,
+            replicas=opts.replicas,
+            threads=opts.threads_per_replica,
+            cpus_per_replica=cpus,
+            window=opts.window,
+        )
         ray_job.run_to_output(job, progress, resume=opts.resume, overwrite=opts.overwrite, view=not opts.quiet)
     except (InputError, OutputError) as exc:
         raise CliError(str(exc)) from None

@@ -34,7 +34,7 @@ class BadRow:
         return cls(row.index, row.id, f"{row.where}: {reason}", row.keep, row.meta)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParsedRow:
     """A parsed row whose prompt is not tokenized yet.
 

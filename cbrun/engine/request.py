@@ -34,7 +34,7 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GenerationOutput:
     """The result of one (request, sample): what users and writers consume.
 

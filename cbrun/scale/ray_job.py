@@ -94,7 +94,7 @@ class RayProgress:
         self.given_up += counters.given_up
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RayJob:
     """What to run: the input plan, where parts go, the actors' arguments and how many actors."""
 

@@ -92,7 +92,7 @@ def test_distinct_prompt_tokens_count_a_shared_prefix_once(tiny_tokenizer):
     assert no_prefix.num_distinct_prompt_tokens == no_prefix.num_input_tokens
     from cbrun.bench.workload import Workload
 
-    assert Workload([[1, 2, 3], [1, 2, 4], [1, 2, 3]], [1, 1, 1]).num_distinct_prompt_tokens == 4
+    assert Workload(prompts=[[1, 2, 3], [1, 2, 4], [1, 2, 3]], output_lens=[1, 1, 1]).num_distinct_prompt_tokens == 4
 
 
 def test_percentile_interpolates():

@@ -79,15 +79,15 @@ def _spec(record, index=0):
 
 def _out(spec, sample, tokens, reason="stop", error=None, top=None):
     return GenerationOutput(
-        spec.id,
-        sample,
-        spec.token_ids,
-        tokens,
-        FakeTokenizer().decode(tokens),
-        [-0.5] * len(tokens),
-        reason,
-        error,
-        top,
+        request_id=spec.id,
+        sample_index=sample,
+        prompt_token_ids=spec.token_ids,
+        token_ids=tokens,
+        text=FakeTokenizer().decode(tokens),
+        logprobs=[-0.5] * len(tokens),
+        finish_reason=reason,
+        error=error,
+        top_logprobs=top,
     )
 
 

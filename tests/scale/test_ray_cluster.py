@@ -144,7 +144,16 @@ def test_parquet_input_to_json_lines_parts_keeps_row_numbers_and_columns(local_c
 def _job(source: Path, out: Path, model: str, replicas: int, window: int, **generator) -> RayJob:
     plan = plan_input(str(source), parallelism=replicas * 8)
     store = PartStore(out, "parquet", run=f"test-{time.monotonic_ns()}")
-    return RayJob(plan, store, CbrunFormat(logprobs=True), dict(model=model, **generator), replicas, 1, 0.5, window)
+    return RayJob(
+        plan=plan,
+        store=store,
+        fmt=CbrunFormat(logprobs=True),
+        generator=dict(model=model, **generator),
+        replicas=replicas,
+        threads=1,
+        cpus_per_replica=0.5,
+        window=window,
+    )
 
 
 def test_an_actor_killed_mid_block_is_restarted_and_every_row_is_written_once(

@@ -98,7 +98,18 @@ class GeneratePreparer(PromptPreparer):
         if isinstance(source, str):
             return bad(source)
         kind, field_name, value = source
-        return ParsedRow(raw.index, row_id, where, kind, field_name, value, sampling, keep, meta, lora=lora)
+        return ParsedRow(
+            index=raw.index,
+            id=row_id,
+            where=where,
+            kind=kind,
+            field=field_name,
+            value=value,
+            sampling=sampling,
+            keep=keep,
+            meta=meta,
+            lora=lora,
+        )
 
 
 def _coerce(name: str, value: Any) -> Any:

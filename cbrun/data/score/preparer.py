@@ -45,7 +45,7 @@ TEXT_FIELDS = ("completions", "completion")
 SCORE_PROMPT_IDS = "prompt_token_ids"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParsedScoreRow(ParsedRow):
     """A parsed score row: the prompt as in `ParsedRow`, plus its completions.
 
@@ -126,15 +126,15 @@ class ScorePreparer(PromptPreparer):
             return bad(source)
         kind, prompt_field, value = source
         return ParsedScoreRow(
-            raw.index,
-            row_id,
-            where,
-            kind,
-            prompt_field,
-            value,
-            self.base,
-            keep,
-            meta,
+            index=raw.index,
+            id=row_id,
+            where=where,
+            kind=kind,
+            field=prompt_field,
+            value=value,
+            sampling=self.base,
+            keep=keep,
+            meta=meta,
             samples=samples,
             completion_field=field_name,
             completions=completions,

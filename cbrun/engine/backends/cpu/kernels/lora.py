@@ -32,7 +32,7 @@ class LoraRows:
     tokens: int  # the step's T: every x and y of its calls has this many rows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoraOperands:
     """The adapters of a step's groups for one member set, as lora_apply reads them (LoraKernels.pack)."""
 
@@ -113,14 +113,14 @@ class LoraKernels:
                 ranks.append(rank)
         count = len(pairs) * members
         return LoraOperands(
-            tuple(tuple(group) for group in pairs),
-            inner,
-            tuple(widths),
-            len(pairs),
-            (ctypes.c_void_p * count)(*a_ptrs),
-            (ctypes.c_void_p * count)(*bt_ptrs),
-            (ctypes.c_int64 * count)(*ranks),
-            (ctypes.c_int64 * members)(*widths),
+            pairs=tuple(tuple(group) for group in pairs),
+            inner=inner,
+            widths=tuple(widths),
+            groups=len(pairs),
+            a=(ctypes.c_void_p * count)(*a_ptrs),
+            bt=(ctypes.c_void_p * count)(*bt_ptrs),
+            ranks=(ctypes.c_int64 * count)(*ranks),
+            width_array=(ctypes.c_int64 * members)(*widths),
         )
 
     def apply_packed(self, x: torch.Tensor, plan: LoraRows, operands: LoraOperands, ys: Sequence[torch.Tensor]) -> None:
