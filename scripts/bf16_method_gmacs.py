@@ -42,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="amx,isa,twin,scalar", help="comma-separated; those that run here")
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--shapes", default=None, help="M,K,N;M,K,N... in place of the built-in shapes")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     if kernels is None:
@@ -53,7 +54,8 @@ def main() -> None:
         torch.set_num_threads(nthreads)
         print(f"{nthreads} thread(s), GMAC/s")
         print("  " + f"{'M, K, N':>18} " + " ".join(f"{m:>8}" for m in methods))
-        for rows, inner, outputs in SHAPES:
+        shapes = [tuple(map(int, s.split(","))) for s in args.shapes.split(";")] if args.shapes else SHAPES
+        for rows, inner, outputs in shapes:
             weight = (torch.randn(outputs, inner) * 0.02).bfloat16()
             packed = dp.pack(weight)
             x = torch.randn(rows, inner).bfloat16()

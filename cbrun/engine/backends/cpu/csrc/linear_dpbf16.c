@@ -639,8 +639,17 @@ static int dp_linear_run(const void* x, int64_t ldx, int x_bf16, const uint16_t*
             fn = dp_rows_isa_paired;
           }
 #endif
+          /* The weights that follow this step's (the next step, or the next block: packed contiguously) are
+           * fetched into L2 a slice per row group while this step computes, so a matrix larger than the caches
+           * (an output head) streams from memory under the arithmetic rather than between it. With one row group
+           * the arithmetic reads the weights as it goes, and the hardware's prefetcher does better alone. */
+          const char* next = (const char*)(w + p1 * DP_BLOCK * 2);
+          const int64_t next_bytes = m1 - m0 > DP_ROWS ? (p1 - p0) * DP_BLOCK * 2 * (int64_t)sizeof(uint16_t) : 0;
+          const int64_t groups = (m1 - m0 + DP_ROWS - 1) / DP_ROWS, slice = (next_bytes / groups + 63) & ~(int64_t)63;
           for (int64_t m = m0; m < m1; m += DP_ROWS) {
             const int rows = m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS;
+            const int64_t from = (m - m0) / DP_ROWS * slice;
+            for (int64_t at = from; at < from + slice && at < next_bytes; at += 64) __builtin_prefetch(next + at, 0, 2);
             dp_tile* tile = step < pairs ? &tiles[(m - m0) / DP_ROWS] : &one;
             fn(dp_scratch_row(scratch, m, Kp, variant), Kp, ws, rows, p0, p1, *tile);
             if (p1 == pairs) dp_emit(&target, b, m, rows, *tile); /* K in one step: out as soon as done */
