@@ -101,41 +101,46 @@ static void dp_rows_scalar(const void* xs, int64_t Kp, const uint16_t* w, int ro
 #define TWIN_ROWS 2 /* 8 chains + 4 weight halves + 4 splats of 16 ymm */
 #endif
 
-/* R rows (a constant) of fp32 x against half h (outputs 16h .. 16h + 15) of a block, pairs p0 .. p1 - 1: per
- * block, E and O from zero, fused multiply-adds (-ffp-contract=fast), C in `out`. */
-#define DEFINE_TWIN_ROWS(R)                                                                                    \
-  static inline __attribute__((always_inline)) void twin_rows_##R(const float* xf, int64_t Kp, const uint16_t* w, \
+/* R rows (a constant) of fp32 x against NV vectors of outputs from 16h of a block (half h: NV = TWIN_V), pairs
+ * p0 .. p1 - 1: per block, E and O from zero, fused multiply-adds (-ffp-contract=fast), C in `out`. */
+#define DEFINE_TWIN_ROWS_OF(NAME, R, NV)                                                                              \
+  static inline __attribute__((always_inline)) void NAME(const float* xf, int64_t Kp, const uint16_t* w,              \
                                                                   int h, int64_t p0, int64_t p1, float (*out)[DP_BLOCK]) { \
-    for (int64_t b0 = p0; b0 < p1; b0 += TO_BLOCK_PAIRS) {                                                     \
-      vNf even[R][TWIN_V], odd[R][TWIN_V];                                                                     \
-      for (int r = 0; r < R; ++r)                                                                              \
-        for (int v = 0; v < TWIN_V; ++v) even[r][v] = odd[r][v] = splatN(0.f);                                 \
-      for (int64_t p = b0; p < b0 + TO_BLOCK_PAIRS; ++p) {                                                     \
-        vNf low[TWIN_V], high[TWIN_V];                                                                         \
-        for (int v = 0; v < TWIN_V; ++v) {                                                                     \
-          const vNu pairs = *(const vNu_mem*)(w + (p * DP_BLOCK + 16 * h + v * VEC) * 2);                      \
-          low[v] = twin_low(pairs);                                                                            \
-          high[v] = twin_high(pairs);                                                                          \
-        }                                                                                                      \
-        for (int r = 0; r < R; ++r) {                                                                          \
-          const vNf xe = splatN(xf[r * Kp + 2 * p]), xo = splatN(xf[r * Kp + 2 * p + 1]);                      \
-          for (int v = 0; v < TWIN_V; ++v) {                                                                   \
-            even[r][v] += xe * low[v];                                                                         \
-            odd[r][v] += xo * high[v];                                                                         \
-          }                                                                                                    \
-        }                                                                                                      \
-      }                                                                                                        \
-      for (int r = 0; r < R; ++r)                                                                              \
-        for (int v = 0; v < TWIN_V; ++v) {                                                                     \
-          float* at = out[r] + 16 * h + v * VEC;                                                               \
-          const vNf c = b0 ? loadN_f32(at) : splatN(0.f);                                                      \
-          storeN_f32(at, c + (even[r][v] + odd[r][v]));                                                        \
-        }                                                                                                      \
-    }                                                                                                          \
+    for (int64_t b0 = p0; b0 < p1; b0 += TO_BLOCK_PAIRS) {                                                            \
+      vNf even[R][NV], odd[R][NV];                                                                                    \
+      for (int r = 0; r < R; ++r)                                                                                     \
+        for (int v = 0; v < NV; ++v) even[r][v] = odd[r][v] = splatN(0.f);                                            \
+      for (int64_t p = b0; p < b0 + TO_BLOCK_PAIRS; ++p) {                                                            \
+        vNf low[NV], high[NV];                                                                                        \
+        for (int v = 0; v < NV; ++v) {                                                                                \
+          const vNu pairs = *(const vNu_mem*)(w + (p * DP_BLOCK + 16 * h + v * VEC) * 2);                             \
+          low[v] = twin_low(pairs);                                                                                   \
+          high[v] = twin_high(pairs);                                                                                 \
+        }                                                                                                             \
+        for (int r = 0; r < R; ++r) {                                                                                 \
+          const vNf xe = splatN(xf[r * Kp + 2 * p]), xo = splatN(xf[r * Kp + 2 * p + 1]);                             \
+          for (int v = 0; v < NV; ++v) {                                                                              \
+            even[r][v] += xe * low[v];                                                                                \
+            odd[r][v] += xo * high[v];                                                                                \
+          }                                                                                                           \
+        }                                                                                                             \
+      }                                                                                                               \
+      for (int r = 0; r < R; ++r)                                                                                     \
+        for (int v = 0; v < NV; ++v) {                                                                                \
+          float* at = out[r] + 16 * h + v * VEC;                                                                      \
+          const vNf c = b0 ? loadN_f32(at) : splatN(0.f);                                                             \
+          storeN_f32(at, c + (even[r][v] + odd[r][v]));                                                               \
+        }                                                                                                             \
+    }                                                                                                                 \
   }
+
+#define DEFINE_TWIN_ROWS(R) DEFINE_TWIN_ROWS_OF(twin_rows_##R, R, TWIN_V)
 
 DEFINE_TWIN_ROWS(1)
 DEFINE_TWIN_ROWS(2)
+/* One row against a whole block (both halves, h = 0): twice the independent chains of twin_rows_1, so a decode
+ * row's FMAs are not held up by their own latency; each output's chains are the same. */
+DEFINE_TWIN_ROWS_OF(twin_row_block, 1, 2 * TWIN_V)
 #if TWIN_ROWS > 2
 DEFINE_TWIN_ROWS(3)
 DEFINE_TWIN_ROWS(4)
@@ -152,6 +157,10 @@ static __attribute__((noinline)) void dp_rows_twin(const void* xs, int64_t Kp, c
   for (int r0 = 0; r0 < rows; r0 += TWIN_ROWS) {
     const int n = rows - r0 < TWIN_ROWS ? rows - r0 : TWIN_ROWS;
     const float* x = xf + r0 * Kp;
+    if (n == 1) {
+      twin_row_block(x, Kp, w, 0, p0, p1, out + r0);
+      continue;
+    }
     for (int h = 0; h < 2; ++h) switch (n) {
         case 1: twin_rows_1(x, Kp, w, h, p0, p1, out + r0); break;
 #if TWIN_ROWS > 2
