@@ -40,16 +40,11 @@ def _case(engine_model, ref_model, tokenizer, count=NUM_PROMPTS, longest=64):
     return engine_model, ref_model, tokenizer, prompts, spread(count, 1, longest)
 
 
-_GREEDY: dict[int, tuple[tuple, list[list[int]]]] = {}  # id(case) -> (the case, held so its id stays its own; refs)
-
-
 def _reference_greedy(case) -> list[list[int]]:
-    """model.generate's greedy tokens for a case's prompts: computed once per worker, and only where a parity
-    test runs (the logprobs test needs none)."""
+    """model.generate's greedy tokens for a case's prompts (a fixture of its own, so only the parity tests pay
+    for it: the logprobs test needs none)."""
     _, ref_model, _, prompts, max_tokens = case
-    if id(case) not in _GREEDY:
-        _GREEDY[id(case)] = case, [reference_greedy(ref_model, p, m) for p, m in zip(prompts, max_tokens)]
-    return _GREEDY[id(case)][1]
+    return [reference_greedy(ref_model, p, m) for p, m in zip(prompts, max_tokens)]
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +64,23 @@ def smollm_case(smollm2):
     return _case(engine_model, ref_model, tokenizer, SMOLLM_PROMPTS, SMOLLM_MAX_TOKENS)
 
 
-def _check_parity(case, page, budget, scheduler, max_requests):
+@pytest.fixture(scope="module")
+def llama_refs(llama_case):
+    return _reference_greedy(llama_case)
+
+
+@pytest.fixture(scope="module")
+def qwen3_refs(qwen3_case):
+    return _reference_greedy(qwen3_case)
+
+
+@pytest.fixture(scope="module")
+def smollm_refs(smollm_case):
+    return _reference_greedy(smollm_case)
+
+
+def _check_parity(case, refs, page, budget, scheduler, max_requests):
     engine_model, _, tokenizer, prompts, max_tokens = case
-    refs = _reference_greedy(case)
     config = EngineConfig(
         page_size=page,
         max_batch_tokens=budget,
@@ -88,18 +97,18 @@ def _check_parity(case, page, budget, scheduler, max_requests):
 
 
 @pytest.mark.parametrize("page,budget,scheduler,max_requests", TINY_CONFIGS)
-def test_greedy_matches_generate_tiny_llama(llama_case, page, budget, scheduler, max_requests):
-    _check_parity(llama_case, page, budget, scheduler, max_requests)
+def test_greedy_matches_generate_tiny_llama(llama_case, llama_refs, page, budget, scheduler, max_requests):
+    _check_parity(llama_case, llama_refs, page, budget, scheduler, max_requests)
 
 
 @pytest.mark.parametrize("page,budget,scheduler,max_requests", TINY_CONFIGS)
-def test_greedy_matches_generate_tiny_qwen3(qwen3_case, page, budget, scheduler, max_requests):
-    _check_parity(qwen3_case, page, budget, scheduler, max_requests)
+def test_greedy_matches_generate_tiny_qwen3(qwen3_case, qwen3_refs, page, budget, scheduler, max_requests):
+    _check_parity(qwen3_case, qwen3_refs, page, budget, scheduler, max_requests)
 
 
 @pytest.mark.parametrize("page,budget,scheduler,max_requests", SMOLLM_CONFIGS)
-def test_greedy_matches_generate_smollm2(smollm_case, page, budget, scheduler, max_requests):
-    _check_parity(smollm_case, page, budget, scheduler, max_requests)
+def test_greedy_matches_generate_smollm2(smollm_case, smollm_refs, page, budget, scheduler, max_requests):
+    _check_parity(smollm_case, smollm_refs, page, budget, scheduler, max_requests)
 
 
 @pytest.mark.parametrize("case_name", ["llama_case", "qwen3_case", "smollm_case"])
