@@ -103,35 +103,35 @@ static void dp_rows_scalar(const void* xs, int64_t Kp, const uint16_t* w, int ro
 
 /* R rows (a constant) of fp32 x against NV vectors of outputs from 16h of a block (half h: NV = TWIN_V), pairs
  * p0 .. p1 - 1: per block, E and O from zero, fused multiply-adds (-ffp-contract=fast), C in `out`. */
-#define DEFINE_TWIN_ROWS_OF(NAME, R, NV)                                                                              \
-  static inline __attribute__((always_inline)) void NAME(const float* xf, int64_t Kp, const uint16_t* w,              \
-                                                                  int h, int64_t p0, int64_t p1, float (*out)[DP_BLOCK]) { \
-    for (int64_t b0 = p0; b0 < p1; b0 += TO_BLOCK_PAIRS) {                                                            \
-      vNf even[R][NV], odd[R][NV];                                                                                    \
-      for (int r = 0; r < R; ++r)                                                                                     \
-        for (int v = 0; v < NV; ++v) even[r][v] = odd[r][v] = splatN(0.f);                                            \
-      for (int64_t p = b0; p < b0 + TO_BLOCK_PAIRS; ++p) {                                                            \
-        vNf low[NV], high[NV];                                                                                        \
-        for (int v = 0; v < NV; ++v) {                                                                                \
-          const vNu pairs = *(const vNu_mem*)(w + (p * DP_BLOCK + 16 * h + v * VEC) * 2);                             \
-          low[v] = twin_low(pairs);                                                                                   \
-          high[v] = twin_high(pairs);                                                                                 \
-        }                                                                                                             \
-        for (int r = 0; r < R; ++r) {                                                                                 \
-          const vNf xe = splatN(xf[r * Kp + 2 * p]), xo = splatN(xf[r * Kp + 2 * p + 1]);                             \
-          for (int v = 0; v < NV; ++v) {                                                                              \
-            even[r][v] += xe * low[v];                                                                                \
-            odd[r][v] += xo * high[v];                                                                                \
-          }                                                                                                           \
-        }                                                                                                             \
-      }                                                                                                               \
-      for (int r = 0; r < R; ++r)                                                                                     \
-        for (int v = 0; v < NV; ++v) {                                                                                \
-          float* at = out[r] + 16 * h + v * VEC;                                                                      \
-          const vNf c = b0 ? loadN_f32(at) : splatN(0.f);                                                             \
-          storeN_f32(at, c + (even[r][v] + odd[r][v]));                                                               \
-        }                                                                                                             \
-    }                                                                                                                 \
+#define DEFINE_TWIN_ROWS_OF(NAME, R, NV)                                                                       \
+  static inline __attribute__((always_inline)) void NAME(const float* xf, int64_t Kp, const uint16_t* w,       \
+                         int h, int64_t p0, int64_t p1, float (*out)[DP_BLOCK]) {                              \
+    for (int64_t b0 = p0; b0 < p1; b0 += TO_BLOCK_PAIRS) {                                                     \
+      vNf even[R][NV], odd[R][NV];                                                                             \
+      for (int r = 0; r < R; ++r)                                                                              \
+        for (int v = 0; v < NV; ++v) even[r][v] = odd[r][v] = splatN(0.f);                                     \
+      for (int64_t p = b0; p < b0 + TO_BLOCK_PAIRS; ++p) {                                                     \
+        vNf low[NV], high[NV];                                                                                 \
+        for (int v = 0; v < NV; ++v) {                                                                         \
+          const vNu pairs = *(const vNu_mem*)(w + (p * DP_BLOCK + 16 * h + v * VEC) * 2);                      \
+          low[v] = twin_low(pairs);                                                                            \
+          high[v] = twin_high(pairs);                                                                          \
+        }                                                                                                      \
+        for (int r = 0; r < R; ++r) {                                                                          \
+          const vNf xe = splatN(xf[r * Kp + 2 * p]), xo = splatN(xf[r * Kp + 2 * p + 1]);                      \
+          for (int v = 0; v < NV; ++v) {                                                                       \
+            even[r][v] += xe * low[v];                                                                         \
+            odd[r][v] += xo * high[v];                                                                         \
+          }                                                                                                    \
+        }                                                                                                      \
+      }                                                                                                        \
+      for (int r = 0; r < R; ++r)                                                                              \
+        for (int v = 0; v < NV; ++v) {                                                                         \
+          float* at = out[r] + 16 * h + v * VEC;                                                               \
+          const vNf c = b0 ? loadN_f32(at) : splatN(0.f);                                                      \
+          storeN_f32(at, c + (even[r][v] + odd[r][v]));                                                        \
+        }                                                                                                      \
+    }                                                                                                          \
   }
 
 #define DEFINE_TWIN_ROWS(R) DEFINE_TWIN_ROWS_OF(twin_rows_##R, R, TWIN_V)
