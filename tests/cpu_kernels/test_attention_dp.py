@@ -1,25 +1,34 @@
-"""bf16 attention scores on dot-product pairs: every variant gives the instruction's bits.
+"""bf16 attention in AMX's order: every variant gives the reference's bits, and the reference is the tiles' order.
 
-attention.c computes a bf16 score as AVX512-BF16's vdpbf16ps does (16 lanes of pair chains with
-flushing, then one fixed tree). The plain-C reference is checked against a model of that arithmetic
-written here; the portable twin and the instruction (where this CPU has it) against the reference,
-bitwise; the load check keeps a variant that differs out; and whole attention calls through each
-variant agree bitwise and stay within bf16 tolerance of the torch reference.
+attention.c computes bf16 attention (head sizes of whole 32-element blocks) as AMX's tdpbf16ps would: each score
+one chain of 16-pair blocks over the head (an even and an odd fma chain per block, then C + (E + O)), each output
+dim one chain of 32-key blocks over the keys at absolute positions, with the softmax weights rounded to bf16.
+The plain-C reference is checked against the torch model of the order (tests/amx_order.py); the portable twin
+against the reference, bitwise, at head sizes 32-256, every count of keys 1-128 (the tails of every length) and
+values at the flush threshold; the load check keeps a variant that differs out; and whole attention calls
+through each variant agree bitwise and stay within bf16 tolerance of fp32 attention.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from amx_order import amx_order_model
 
 from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
 from cbrun.engine.backends.cpu.fused.attention_tasks import SequenceRows, plan_tasks
-from cbrun.engine.backends.cpu.kernels.isa_variants import choose_attention_dp_variant, probe_scores
+from cbrun.engine.backends.cpu.kernels.isa_variants import (
+    ATTENTION_VARIANTS,
+    choose_attention_dp_variant,
+    probe_scores,
+    probe_values,
+)
 from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.engine.backends.metadata import PagedRows
 
@@ -28,79 +37,109 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the
 FLT_MIN = 2.0**-126
 
 
-def _flush(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values below the normal range -> zero of the same sign (denormals flushed or read as zero)."""
-    return torch.where(x.abs() < FLT_MIN, torch.zeros_like(x) * x.sign(), x)
-
-
-def _model_scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """The instruction's arithmetic, written from its documented semantics: per lane i and chunk c,
-    t = fma(q[32c+2i+1], k[32c+2i+1], acc), acc = fma(q[32c+2i], k[32c+2i], t), inputs read with
-    denormals as zero, results flushed; bf16 products are exact in float64, so a float64 sum rounded
-    once to fp32 is the fused multiply-add. Then the lane tree and the scale, in fp32."""
-    qf, kf = _flush(q.float()).double(), _flush(keys.float()).double()
-    heads, dim = q.shape
-    acc = torch.zeros(heads, keys.shape[0], 16, dtype=torch.float32)
-    for c in range(dim // 32):
-        for element in (1, 0):  # the pair's second element first
-            cols = torch.arange(16) * 2 + 32 * c + element
-            product = qf[:, None, cols] * kf[None, :, cols]  # [G, n, 16], exact
-            acc = _flush((product + acc.double()).float())
-    v = acc[..., :8] + acc[..., 8:]
-    w = v[..., :4] + v[..., 4:]
-    return ((w[..., 0] + w[..., 2]) + (w[..., 1] + w[..., 3])) * torch.tensor(scale, dtype=torch.float32)
-
-
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("dim", [32, 64, 128])
-def test_the_reference_is_the_instructions_arithmetic(dim):
-    torch.manual_seed(dim)
+def _edge_values(shape, generator) -> torch.Tensor:
+    """bf16 values around the flush threshold: normals just above 2^-126, denormals, signed zeros, and ordinary
+    values, so products and partial sums land on both sides of it."""
+    pool = torch.tensor([FLT_MIN, -FLT_MIN, FLT_MIN * 1.5, 2.0**-127, -(2.0**-130), 0.0, -0.0, 1.0, -1.5, 2.0**-63])
+    picks = torch.randint(0, len(pool), shape, generator=generator)
+    return (pool[picks] * (1 + torch.rand(shape, generator=generator))).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
+def test_the_reference_is_the_amx_order(dim):
+    """Scores: the model of q [G, D] x keys [n, D], then the scale (flushed); values: the model of the weights
+    rounded to bf16 [G, n] x values^T [D, n], keys in blocks of 32 from position 0."""
+    generator = torch.Generator().manual_seed(dim)
     cases = [
-        (torch.randn(3, dim), torch.randn(21, dim)),
-        (torch.randn(2, dim) * 1e-19, torch.randn(9, dim) * 1e-19),  # products in the denormal range
-        (torch.randn(3, dim) * 1e-39, torch.randn(5, dim)),  # denormal bf16 inputs
+        (torch.randn(3, dim, generator=generator), torch.randn(21, dim, generator=generator)),
+        (torch.randn(2, dim, generator=generator) * 1e-19, torch.randn(9, dim, generator=generator) * 1e-19),
+        (torch.randn(3, dim, generator=generator) * 1e-39, torch.randn(5, dim, generator=generator)),
     ]
     for q, keys in cases:
         q, keys = q.to(torch.bfloat16), keys.to(torch.bfloat16)
-        got = kernels.attend_dp_scores("scalar", q, keys, 0.3)
-        assert torch.equal(_bits(got), _bits(_model_scores(q, keys, 0.3)))
+        expected = amx_order_model(q, keys) * torch.tensor(0.3)
+        expected = torch.where(expected.abs() < FLT_MIN, expected * 0, expected)
+        assert torch.equal(_bits(kernels.attend_dp_scores("scalar", q, keys, 0.3)), _bits(expected))
+    for count in (1, 31, 33, 128):
+        weights = torch.rand(4, count, generator=generator)
+        values = torch.randn(count, dim, generator=generator).to(torch.bfloat16)
+        got = kernels.attend_dp_values("scalar", weights, values)
+        assert torch.equal(_bits(got), _bits(amx_order_model(weights.to(torch.bfloat16), values.t())))
+    edge = _edge_values((6, 64), generator)
+    got = kernels.attend_dp_values("scalar", edge.float().abs(), _edge_values((64, dim), generator))
+    assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize("variant", ["twin", "isa"])
-def test_each_variant_gives_the_references_bits(variant):
-    if not kernels.dp_attention_runs(variant):
-        pytest.skip(f"this CPU has no AVX512-BF16: the {variant} variant cannot run here")
-    probes = probe_scores(seed=3) + [(torch.randn(7, 128).bfloat16(), torch.randn(128, 128).bfloat16())]
-    for q, keys in probes:
-        for count in (1, 3, 4, 5, keys.shape[0]):  # whole 4-key blocks and the 1-3 keys left over
-            expected = kernels.attend_dp_scores("scalar", q, keys[:count], 0.125)
-            assert torch.equal(_bits(kernels.attend_dp_scores(variant, q, keys[:count], 0.125)), _bits(expected))
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
+def test_the_twin_gives_the_references_bits(dim):
+    generator = torch.Generator().manual_seed(dim + 1)
+    q = torch.randn(7, dim, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(128, dim, generator=generator).to(torch.bfloat16)
+    weights = torch.rand(7, 128, generator=generator)
+    values = torch.randn(128, dim, generator=generator).to(torch.bfloat16)
+    cases = [
+        (q, keys, weights, values),
+        (
+            _edge_values((7, dim), generator),
+            _edge_values((128, dim), generator),
+            _edge_values((7, 128), generator).float().abs(),
+            _edge_values((128, dim), generator),
+        ),
+    ]
+    for q, keys, weights, values in cases:
+        for count in [*range(1, 34), 45, 64, 100, 127, 128]:  # every tail of the lanes and of a 32-key block
+            for heads in (1, 2, 3, 7):
+                expected = kernels.attend_dp_scores("scalar", q[:heads], keys[:count], 0.125)
+                assert torch.equal(
+                    _bits(kernels.attend_dp_scores("twin", q[:heads], keys[:count], 0.125)), _bits(expected)
+                ), (count, heads)
+                expected = kernels.attend_dp_values("scalar", weights[:heads, :count], values[:count])
+                assert torch.equal(
+                    _bits(kernels.attend_dp_values("twin", weights[:heads, :count], values[:count])), _bits(expected)
+                ), (count, heads)
+    for probe in probe_scores(seed=3):
+        assert torch.equal(
+            _bits(kernels.attend_dp_scores("twin", *probe, 0.125)),
+            _bits(kernels.attend_dp_scores("scalar", *probe, 0.125)),
+        )
+    for probe in probe_values(seed=3):
+        assert torch.equal(
+            _bits(kernels.attend_dp_values("twin", *probe)), _bits(kernels.attend_dp_values("scalar", *probe))
+        )
 
 
 class _Disagreeing:
-    """Kernels whose instruction variant is off by one bit in one score: the load check must not keep it."""
+    """Kernels whose twin is off by one bit in one score or one value sum: the load check must not keep it."""
 
-    def __init__(self, real):
-        self.real = real
+    def __init__(self, real, part):
+        self.real, self.part = real, part
 
     def dp_attention_runs(self, variant: str) -> bool:
         return True
 
     def attend_dp_scores(self, variant, q, keys, scale):
-        out = self.real.attend_dp_scores("scalar" if variant == "isa" else variant, q, keys, scale)
-        if variant == "isa":
+        out = self.real.attend_dp_scores(variant, q, keys, scale)
+        if variant == "twin" and self.part == "scores":
             out.view(torch.int32)[0, 0] ^= 1
         return out
 
+    def attend_dp_values(self, variant, weights, values):
+        out = self.real.attend_dp_values(variant, weights, values)
+        if variant == "twin" and self.part == "values":
+            out.view(torch.int32)[-1, -1] ^= 1
+        return out
 
-def test_the_load_check_skips_a_variant_that_differs_and_the_next_serves():
-    assert choose_attention_dp_variant(_Disagreeing(kernels)) == "twin"
-    assert kernels.attend_dp_variant in ("isa", "twin", "scalar")
-    if kernels.dp_attention_runs("isa"):
-        assert kernels.attend_dp_variant == "isa"
+
+@pytest.mark.parametrize("part", ["scores", "values"])
+def test_the_load_check_skips_a_twin_that_differs_and_the_reference_serves(part):
+    assert choose_attention_dp_variant(_Disagreeing(kernels, part)) == "scalar"
+    assert choose_attention_dp_variant(_Disagreeing(kernels, "neither")) == "twin"
+    if platform.machine() in ("x86_64", "AMD64"):  # vector FMAs under MXCSR FTZ|DAZ: the twin equals the reference
+        assert kernels.attend_dp_variant == "twin"
 
 
 CASES = [(9, 3, 64, 16), (4, 1, 128, 32), (6, 2, 32, 8)]
@@ -139,9 +178,8 @@ def test_attention_through_every_variant_is_one_result(case):
     heads, kv_heads, dim, page = case
     lengths, args = _attention_case(*case)
     results = {}
-    for variant in ("scalar", "twin", "isa"):
-        if kernels.dp_attention_runs(variant):
-            results[variant] = attention_through(variant)[CASES.index(case)]
+    for variant in ATTENTION_VARIANTS:
+        results[variant] = attention_through(variant)[CASES.index(case)]
     for variant, out in results.items():
         assert torch.equal(out, results["scalar"]), variant
     q, k_pool, v_pool, paged = args[:4]
@@ -168,8 +206,8 @@ torch.save(t.attention_through("twin"), {out!r})
 @pytest.mark.slow  # heavy (a subprocess, a build, a cluster or signals): the full suite only
 @pytest.mark.skipif("avx512f" not in cpu_flags().split(), reason="this CPU runs the AVX2 build: the tests above")
 def test_an_avx2_builds_twin_gives_this_builds_bits(tmp_path, avx2_kernel_cache):
-    """The kernels built for AVX2 (8-lane twin vectors) compute the attention of the native build's twin and
-    instruction bit for bit: what an AVX2-only machine computes, checked on this one."""
+    """The kernels built for AVX2 (8-lane twin vectors) compute the attention of the native build's twin bit for
+    bit: what an AVX2-only machine computes, checked on this one."""
     out = tmp_path / "avx2.pt"
     env = dict(os.environ, CBRUN_KERNEL_MARCH="x86-64-v3", CBRUN_CACHE=str(avx2_kernel_cache))
     script = _AVX2_RUN.format(here=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]), out=str(out))
@@ -180,7 +218,7 @@ def test_an_avx2_builds_twin_gives_this_builds_bits(tmp_path, avx2_kernel_cache)
         assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("dim", [64, 48])  # 64: the pair-dot variants; 48 (not a multiple of 32): the bf16 chains
+@pytest.mark.parametrize("dim", [64, 48])  # 64: AMX's order; 48 (not a multiple of 32): the bf16 chains
 def test_each_output_is_rounded_once_to_the_nearest_bf16_ties_to_even(dim):
     """Two equal keys weigh 1/2 each, so every output is exactly the mean of two values, which is an fp32 value
     halfway between two bf16 values for an odd step: the kernel's output store must round it to even, lane by
@@ -203,8 +241,8 @@ def test_each_output_is_rounded_once_to_the_nearest_bf16_ties_to_even(dim):
     tasks = plan_tasks([SequenceRows(0, 1, 1, [0], 0)], page, kernels.segment, windowed=False)
     paged = PagedRows(tables, rows, zero, torch.tensor([2]), zero)
     args = (torch.randn(1, heads, dim).bfloat16(), k_pool, v_pool, paged)
-    # dim 48 takes the bf16 chains whatever the pair-dot variant: one pass
-    variants = [v for v in ("scalar", "twin", "isa") if kernels.dp_attention_runs(v)] if dim % 32 == 0 else [None]
+    # dim 48 takes the bf16 chains whatever the AMX-order variant: one pass
+    variants = list(ATTENTION_VARIANTS) if dim % 32 == 0 else [None]
     try:
         for variant in variants:
             kernels.attend_dp_variant = variant or kernels.attend_dp_variant

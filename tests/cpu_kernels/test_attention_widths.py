@@ -4,8 +4,9 @@ With AVX-512 the kernel scores two query heads per 16-lane register against one 
 takes the softmax's exponentials 16 lanes at a time and sums values 16 lanes at a time (bf16 values 32 dims per
 load, the even and odd dims in separate registers, put back in order before the output is written); with AVX2 (or
 -DCBRUN_ATTN_NARROW) all of it runs 8 lanes. Each lane computes the same chain either way, so the outputs must
-be equal bit for bit: here the wide build (forced with -DCBRUN_ATTN_WIDE, so that on an AVX2 machine it is the
-same C in ymm halves) against the narrow one, at real head shapes, odd groups included (the last head of a pair
+be equal bit for bit: here the wide build (forced with -DCBRUN_ATTN_WIDE and -DCBRUN_VEC_WIDTH=16, so that on an
+AVX2 machine it is the same C in ymm halves; the width also sets bf16's AMX-order twin: 16 keys per score vector,
+32 dims per value load) against the narrow one, at real head shapes, odd groups included (the last head of a pair
 beside zeros). The kernel also reads keys in runs of pages that follow each other in the pool: the same K/V laid
 out in order or scattered must give the same bits. Both builds are checked against the torch reference too.
 """
@@ -22,7 +23,7 @@ from cbrun.engine.backends.torch_attention import TorchRows, decode as torch_dec
 
 PAGE = 16
 # (query heads, KV heads, head size, dtype): Qwen2.5-1.5B, Qwen2.5-7B (7 per group), groups of 8, 3 and 1, and
-# bf16 heads of 128 and 64 (pair-dot scores; values 32 dims per load, even and odd dims in their own vectors) and
+# bf16 heads of 128 and 64 (AMX's order: keys in the score lanes, values 2 x VEC dims per load) and
 # of 80 (not a multiple of 32: the bf16 kernel's own scores, values 16 dims per load)
 SHAPES = [
     (12, 2, 128, torch.bfloat16),
@@ -41,8 +42,11 @@ SHAPES = [
 def builds():
     try:
         return {
-            name: build_kernels((define,))
-            for name, define in (("wide", "CBRUN_ATTN_WIDE"), ("narrow", "CBRUN_ATTN_NARROW"))
+            name: build_kernels(defines)
+            for name, defines in (
+                ("wide", ("CBRUN_ATTN_WIDE", "CBRUN_VEC_WIDTH=16")),
+                ("narrow", ("CBRUN_ATTN_NARROW", "CBRUN_VEC_WIDTH=8")),
+            )
         }
     except Exception as exc:  # no compiler, or a failed build
         pytest.skip(f"cannot build the CPU kernels here: {exc}")

@@ -6,7 +6,7 @@ C = C + (E + O), denormal inputs read as zero and tiny results flushed. Four
 variants must give the same bits: the tiles (only where the CPU has AMX-BF16),
 re-paired vdpbf16ps (AVX512-BF16), portable vector FMAs under the CPU's flush
 modes, and the plain-C reference; and the reference must equal an independent
-model of the order written here in torch float64 (`_amx_order_model`). The
+model of the order in torch float64 (tests/amx_order.py). The
 self-check must reject a method that is not batch-invariant and let the next
 one serve.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from amx_order import amx_order_model
 
 from cbrun.engine.backends.cpu.build.cpu_facts import cpu_flags
 from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
@@ -50,46 +51,6 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(nan, b.isnan()) and torch.equal(_bits(a)[~nan], _bits(b)[~nan])
 
 
-def _round_ftz(s: torch.Tensor) -> torch.Tensor:
-    """float64 values rounded once to fp32, then flushed to a signed zero where the rounded value (24 bits, an
-    unbounded exponent) is below 2^-126: x86's FTZ, tininess after rounding. Values below 2^-100 are rounded
-    scaled by 2^64, in the normal range, and scaled back (exactly, unless flushed)."""
-    tiny = s.abs() < 2.0**-100
-    r = torch.where(tiny, (s * 2.0**64).float().double(), s.float().double())
-    flushed = tiny & (r.abs() < 2.0**-62)
-    r = torch.where(tiny, r * 2.0**-64, r)
-    return torch.where(flushed, torch.copysign(torch.zeros_like(r), r), r)
-
-
-def _amx_order_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """tdpbf16ps's order in torch: bf16 x [M, K], w [N, K] -> fp32 [M, N].
-
-    K padded with zeros to whole 32-element blocks; per block, an even and an
-    odd chain from +0 (fma per element pair, ascending), then C = C + (E + O),
-    from C = +0; denormal inputs read as zero, every result flushed. fma(a, b,
-    c) for bf16 a, b and fp32 c is computed in float64 and rounded once: a * b
-    is exact in float64 (16 significant bits), and where the float64 sum is
-    inexact the smaller term is below 2^-29 of the larger, which lies on the
-    fp32 grid, so the second rounding cannot cross an fp32 midpoint.
-    """
-
-    def read(t):  # denormal inputs read as zero (bf16 shares fp32's exponent range)
-        t = t.double()
-        return torch.where(t.abs() < 2.0**-126, torch.copysign(torch.zeros_like(t), t), t)
-
-    padded = -(-x.shape[1] // 32) * 32
-    xs = read(torch.nn.functional.pad(x, (0, padded - x.shape[1])))
-    ws = read(torch.nn.functional.pad(w, (0, padded - w.shape[1])))
-    c = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
-    for start in range(0, padded, 32):
-        even, odd = torch.zeros_like(c), torch.zeros_like(c)
-        for k in range(start, start + 32, 2):
-            even = _round_ftz(xs[:, k, None] * ws[None, :, k] + even)
-            odd = _round_ftz(xs[:, k + 1, None] * ws[None, :, k + 1] + odd)
-        c = _round_ftz(c + _round_ftz(even + odd))
-    return c.float()
-
-
 def _random_bits(shape, generator) -> torch.Tensor:
     """bf16 values of every kind: random bit patterns (denormals, infinities, NaNs included)."""
     return (
@@ -111,13 +72,13 @@ def test_the_plain_c_reference_is_the_amx_order_model(rows, inner, outputs):
         ),
     ]:
         got = DP_SCALAR.make(kernels, [w], [None])(x, torch.float32)
-        assert _same_bits(got, _amx_order_model(x, w))
+        assert _same_bits(got, amx_order_model(x, w))
 
 
 def test_random_bit_patterns_follow_the_amx_order_model():
     generator = torch.Generator().manual_seed(3)
     x, w = _random_bits((7, 64), generator), _random_bits((40, 64), generator)
-    assert _same_bits(DP_SCALAR.make(kernels, [w], [None])(x, torch.float32), _amx_order_model(x, w))
+    assert _same_bits(DP_SCALAR.make(kernels, [w], [None])(x, torch.float32), amx_order_model(x, w))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -327,10 +288,10 @@ def test_every_tail_of_1_to_15_pairs_follows_the_model(variant):
         for inner in (32 + 2 * tail, 64 + 2 * tail - 1):
             x, w = _near_underflow((3, inner), generator), _near_underflow((20, inner), generator)
             x[0] = -0.0  # a row of negative zeros: every chain -0 until the padding
-            assert _same_bits(method.make(kernels, [w], [None])(x, torch.float32), _amx_order_model(x, w)), inner
+            assert _same_bits(method.make(kernels, [w], [None])(x, torch.float32), amx_order_model(x, w)), inner
             typical = torch.randn(5, inner, generator=generator).bfloat16()
             got = method.make(kernels, [w * 2.0**60], [None])(typical, torch.float32)
-            assert _same_bits(got, _amx_order_model(typical, w * 2.0**60)), inner
+            assert _same_bits(got, amx_order_model(typical, w * 2.0**60)), inner
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

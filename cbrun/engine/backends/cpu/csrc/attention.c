@@ -19,8 +19,7 @@
  * are taken in segments that end at multiples of SEG (absolute positions) and
  * the segment's own key range; each segment is split into runs of pages that
  * follow each other in the pool (a page piece where they do not); every score is one multiply-add chain over D and a fixed lane
- * sum (bf16 with D a multiple of 32: bf16 pair dots, see "bf16 scores on
- * dot-product pairs" below); each segment updates the online softmax (flash-decoding style) in key
+ * sum (bf16 with D a multiple of 32: AMX's order, attention_tile.h); each segment updates the online softmax (flash-decoding style) in key
  * order. So a decode, the same token inside a prefill chunk of any length,
  * its recompute after a soft reset, and a row attending a shared prefix with
  * a hundred others all give the same bits. Rows sharing leading blocks
@@ -42,8 +41,8 @@
  * jump is prefetched one ahead; each run's values are prefetched into L2 while
  * its keys are scored.
  *
- * paged_attend_bf16dp: the bf16 kernel with scores on vdpbf16ps's pair arithmetic (the
- * instruction, or its portable twin, or the plain-C reference: one set of bits).
+ * paged_attend_bf16dp: bf16 with D a multiple of 32, scores and value sums in AMX's order (attention_tile.h:
+ * the portable twin or the plain-C reference, one set of bits).
  *
  * paged_write: store new tokens' K/V rows at their flat slots (any element size).
  */
@@ -412,165 +411,6 @@ static inline v16f reduce4_pair(const v16f* a) {
 DEFINE_WIDE_SCORE_OPS(f32, float, load_f32)
 DEFINE_WIDE_SCORE_OPS(bf16, uint16_t, load_bf16)
 
-/* ---- bf16 scores on dot-product pairs (paged_attend_bf16dp) ------------------------------------ *
- *
- * A score is q . key over D = 32 * NC bf16 elements, computed as vdpbf16ps computes it: 16 fp32 lanes,
- * lane i the chain over the chunks c = 0 .. NC - 1 of the pair (32c + 2i, 32c + 2i + 1) of q and key,
- *     t = fma(q[32c+2i+1], k[32c+2i+1], acc)   acc = fma(q[32c+2i], k[32c+2i], t)
- * started from zero, denormal inputs read as zero and denormal results flushed (dp_pairs.h); then the
- * lanes are summed in one tree, without flushing,
- *     v[i] = a[i] + a[i+8]   w[i] = v[i] + v[i+4]   score = (w[0] + w[2]) + (w[1] + w[3])
- * and multiplied by the softmax scale. The query is the row's bf16 query as it lies. Three variants
- * compute it: the instruction (4 keys x 3 heads per step, the tree in shuffles), the portable twin
- * (vector FMAs under the flush modes) and the plain-C reference; the kernels' loader runs a variant
- * only after it has equalled the reference on this CPU. A score's bits depend on its query and key
- * alone, so batch invariance holds as for the fp32 chains. */
-
-#define DPA_MAX_KEYS 128 /* keys of one page piece at most: SEG */
-
-/* The tree over one key's 16 lanes, then the scale. */
-static inline float dpa_tree(const float* a, float scale) {
-  float v[8], w[4];
-  for (int i = 0; i < 8; ++i) v[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) w[i] = v[i] + v[i + 4];
-  return ((w[0] + w[2]) + (w[1] + w[3])) * scale;
-}
-
-/* lanes[(g * n + j) * 16 + i]: lane i of head g's chain against key j; the flushing explicit. */
-static void dpa_lanes_scalar(const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D, float* lanes) {
-  for (int g = 0; g < hb; ++g)
-    for (int64_t j = 0; j < n; ++j)
-      for (int i = 0; i < 16; ++i) {
-        float acc = 0.f;
-        for (int64_t c = 0; c < D / 32; ++c)
-          acc = dp_pair_scalar(q + g * D + 32 * c + 2 * i, keys + j * D + 32 * c + 2 * i, acc);
-        lanes[(g * n + j) * 16 + i] = acc;
-      }
-}
-
-/* The same lanes in portable vectors, two FMAs per pair, flushed by the modes the caller set. Not
- * inlined, so that no FMA moves out of the region where the modes are set. */
-static __attribute__((noinline)) void dpa_lanes_twin(const uint16_t* q, int hb, const uint16_t* keys, int64_t n,
-                                                     int64_t D, float* lanes) {
-  for (int g = 0; g < hb; ++g)
-    for (int64_t j = 0; j < n; ++j) {
-      vNf acc[16 / VEC];
-      for (int v = 0; v < 16 / VEC; ++v) acc[v] = splatN(0.f);
-      for (int64_t c = 0; c < D / 32; ++c)
-        for (int v = 0; v < 16 / VEC; ++v) {
-          const vNu qp = *(const vNu_mem*)(q + g * D + 32 * c + 2 * VEC * v);
-          const vNu kp = *(const vNu_mem*)(keys + j * D + 32 * c + 2 * VEC * v);
-          acc[v] = dp_pair_twin(acc[v], twin_high(qp), twin_high(kp), twin_low(qp), twin_low(kp));
-        }
-      for (int v = 0; v < 16 / VEC; ++v) storeN_f32(lanes + (g * n + j) * 16 + VEC * v, acc[v]);
-    }
-}
-
-/* s[g * SEG + j] = score of head g (hb of them, q [hb, D]) against key j of one page piece (n keys). */
-static inline void score_piece_dp_scalar(const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D,
-                                         float scale, float* s) {
-  float lanes[HB * DPA_MAX_KEYS * 16];
-  dpa_lanes_scalar(q, hb, keys, n, D, lanes);
-  for (int g = 0; g < hb; ++g)
-    for (int64_t j = 0; j < n; ++j) s[g * SEG + j] = dpa_tree(lanes + (g * n + j) * 16, scale);
-}
-
-static inline void score_piece_dp_twin(const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D,
-                                       float scale, float* s) {
-  float lanes[HB * DPA_MAX_KEYS * 16] __attribute__((aligned(64)));
-  const unsigned modes = dp_flush_on();
-  dpa_lanes_twin(q, hb, keys, n, D, lanes);
-  dp_flush_restore(modes);
-  for (int g = 0; g < hb; ++g)
-    for (int64_t j = 0; j < n; ++j) s[g * SEG + j] = dpa_tree(lanes + (g * n + j) * 16, scale);
-}
-
-#if DP_HAS_ISA_SOURCE
-#include <immintrin.h>
-
-#define DPA_ISA_TARGET __attribute__((target("avx512f,avx512bf16")))
-
-/* Four keys' lane vectors -> their four scores (unscaled), by dpa_tree's tree: lanes i and i + 8 meet
- * in the 256-bit halves, i and i + 4 in the 128-bit quarters, then (w0 + w2) + (w1 + w3) in each quarter. */
-DPA_ISA_TARGET static inline __attribute__((always_inline)) __m128 dpa_tree4(__m512 a0, __m512 a1, __m512 a2,
-                                                                             __m512 a3) {
-  const __m512 b0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-  const __m512 b1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(b0, b1, 0x88), _mm512_shuffle_f32x4(b0, b1, 0xDD));
-  const __m512 x = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E)); /* [w0 + w2, w1 + w3, ...] per key */
-  const __m512 t = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1)); /* lane 0 of each key: the score */
-  return _mm512_castps512_ps128(
-      _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
-}
-
-/* The scores of hb heads against 4 keys at `keys` (rows D apart): two vdpbf16ps per chunk of 32 elements. */
-DPA_ISA_TARGET static inline __attribute__((always_inline)) void dpa_block_isa(const uint16_t* q, int hb,
-                                                                               const uint16_t* keys, int64_t D,
-                                                                               __m128 sc, __m128* out) {
-  __m512 acc[HB][4];
-  for (int g = 0; g < hb; ++g)
-    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < D / 32; ++c) {
-    __m512bh qc[HB];
-    for (int g = 0; g < hb; ++g) qc[g] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
-    for (int i = 0; i < 4; ++i) {
-      const __m512bh key = (__m512bh)_mm512_loadu_si512(keys + i * D + 32 * c);
-      for (int g = 0; g < hb; ++g) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], qc[g], key);
-    }
-  }
-  for (int g = 0; g < hb; ++g) out[g] = _mm_mul_ps(dpa_tree4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc);
-}
-
-DPA_ISA_TARGET static inline __attribute__((always_inline)) void score_piece_dp_isa(
-    const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D, float scale, float* s) {
-  const __m128 sc = _mm_set1_ps(scale);
-  __m128 scores[HB];
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    dpa_block_isa(q, hb, keys + j * D, D, sc, scores);
-    for (int g = 0; g < hb; ++g) _mm_storeu_ps(s + g * SEG + j, scores[g]);
-  }
-  if (j < n) { /* the last 1-3 keys, beside zero keys (a key's score does not depend on its neighbours) */
-    uint16_t last[4 * MAX_GD] __attribute__((aligned(64))); /* D <= MAX_GD */
-    memset(last, 0, (size_t)(4 * D) * sizeof(uint16_t));
-    memcpy(last, keys + j * D, (size_t)((n - j) * D) * sizeof(uint16_t));
-    dpa_block_isa(q, hb, last, D, sc, scores);
-    for (int g = 0; g < hb; ++g) {
-      float tail[4];
-      _mm_storeu_ps(tail, scores[g]);
-      for (int64_t i = 0; i < n - j; ++i) s[g * SEG + j + i] = tail[i];
-    }
-  }
-}
-#endif
-
-/* out [G, n] = the scores of q [G, D] (one row's heads of one kv head) against keys [n, D], n <= SEG,
- * by `variant`: what the tests compare with a model of the instruction. */
-#if DP_HAS_ISA_SOURCE
-DPA_ISA_TARGET static void dpa_scores_isa(const uint16_t* q, int hb, const uint16_t* keys, int64_t n, int64_t D,
-                                          float scale, float* s) {
-  score_piece_dp_isa(q, hb, keys, n, D, scale, s);
-}
-#endif
-
-int attend_dp_scores(int variant, const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D, float scale,
-                     float* out) {
-  if (!dp_variant_supported(variant) || D % 32 || n < 1 || n > SEG || G < 1) return CB_BAD_ARGS;
-  float s[HB * SEG];
-  for (int64_t g0 = 0; g0 < G; g0 += HB) {
-    const int hb = G - g0 < HB ? (int)(G - g0) : HB;
-    const uint16_t* qg = q + g0 * D;
-#if DP_HAS_ISA_SOURCE
-    if (variant == CB_DP_ISA) dpa_scores_isa(qg, hb, keys, n, D, scale, s);
-#endif
-    if (variant == CB_DP_TWIN) score_piece_dp_twin(qg, hb, keys, n, D, scale, s);
-    if (variant == CB_DP_SCALAR) score_piece_dp_scalar(qg, hb, keys, n, D, scale, s);
-    for (int g = 0; g < hb; ++g)
-      for (int64_t j = 0; j < n; ++j) out[(g0 + g) * n + j] = s[g * SEG + j];
-  }
-  return 0;
-}
-
 /* Runs CALL for each block of heads [g0, g0 + hb_) of G, with hb_ a constant 1..HB in each branch
  * (so the register blocks are sized at compile time). */
 #define FOR_HEAD_BLOCKS(G, CALL)                                                                    \
@@ -599,6 +439,62 @@ typedef struct {
   const uint16_t* qb; /* [G, D] the row's bf16 query heads as they lie (pair-dot scores) */
   float scale;
 } row_state;
+
+#include "attention_tile.h"
+
+/* out [G, n] = the scores of q [G, D] (one row's heads of one kv head) against keys [n, D], n <= SEG, by
+ * `variant` (CB_DP_SCALAR or CB_DP_TWIN): what the load check and the tests compare. */
+int attend_dp_scores(int variant, const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D, float scale,
+                     float* out) {
+  if ((variant != CB_DP_SCALAR && variant != CB_DP_TWIN) || D % 32 || D > TA_MAX_D || n < 1 || n > SEG || G < 1)
+    return CB_BAD_ARGS;
+  if (variant == CB_DP_SCALAR) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < n; ++j) out[g * n + j] = ta_score_scalar(q + g * D, keys + j * D, D, scale);
+    return 0;
+  }
+  float qw[HB * TA_MAX_D] __attribute__((aligned(64)));
+  float s[HB * SEG];
+  uint32_t kt[TA_MAX_D / 2 * VEC] __attribute__((aligned(64)));
+  for (int64_t g0 = 0; g0 < G; g0 += HB) {
+    const int hb = G - g0 < HB ? (int)(G - g0) : HB;
+    for (int64_t x = 0; x < hb * D; ++x) qw[x] = dp_bf16_to_f32(q[g0 * D + x]);
+    const unsigned modes = dp_flush_on();
+    for (int64_t j = 0; j < n; j += VEC) {
+      ta_transpose(keys + j * D, n - j < VEC ? n - j : VEC, D, kt);
+      if (hb == 3) ta_score_keys_twin(qw, 3, kt, D, scale, n - j < VEC ? n - j : VEC, s + j);
+      else if (hb == 2) ta_score_keys_twin(qw, 2, kt, D, scale, n - j < VEC ? n - j : VEC, s + j);
+      else ta_score_keys_twin(qw, 1, kt, D, scale, n - j < VEC ? n - j : VEC, s + j);
+    }
+    dp_flush_restore(modes);
+    for (int g = 0; g < hb; ++g)
+      for (int64_t j = 0; j < n; ++j) out[(g0 + g) * n + j] = s[g * SEG + j];
+  }
+  return 0;
+}
+
+/* out [G, D] = the value sums of keys 0 .. n - 1 (values [n, D]) weighted by w [G, n] (softmax weights, rounded
+ * to bf16 here), from zero accumulators, by `variant`: the value half of the load check. */
+int attend_dp_values(int variant, const float* w, const uint16_t* values, int64_t G, int64_t n, int64_t D,
+                     float* out) {
+  if ((variant != CB_DP_SCALAR && variant != CB_DP_TWIN) || D % 32 || D > TA_MAX_D || n < 1 || n > SEG || G < 1
+      || G > MAX_G)
+    return CB_BAD_ARGS;
+  float rounded[MAX_G * SEG];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < n; ++j) rounded[g * SEG + j] = ta_round_weight(w[g * n + j]);
+  const int64_t table[1] = {0}; /* one page of n keys */
+  for (int64_t x = 0; x < G * D; ++x) out[x] = 0.f;
+  if (variant == CB_DP_SCALAR) {
+    ta_values_scalar(out, rounded, values, table, 0, 0, n, G, D, n);
+    return 0;
+  }
+  const unsigned modes = dp_flush_on();
+  ta_values_twin(out, rounded, values, table, 0, 0, n, G, D, n);
+  dp_flush_restore(modes);
+  ta_unpair(out, G, D);
+  return 0;
+}
 
 /* Keys [start, start + n) of one segment of a sequence (pages through `table`, table[0] is logical page
  * `first`) for `count` rows that all see them (one row, or the rows of a task over a shared segment):
@@ -649,30 +545,20 @@ typedef struct {
     }                                                                                                    \
   }
 
-/* The scores of one head block: fp32 chains over the scaled query (8 lanes), or bf16 pair dots. */
+/* The scores of one head block: fp32 chains over the scaled query (8 lanes). */
 #define SCORE_F32(st, g0, hb, keys, n, C, D, s) score_piece_f32((st).qf + (g0) * (C), hb, keys, n, C, s)
 #define SCORE_BF16(st, g0, hb, keys, n, C, D, s) score_piece_bf16((st).qf + (g0) * (C), hb, keys, n, C, s)
-#define SCORE_DP_SCALAR(st, g0, hb, keys, n, C, D, s) score_piece_dp_scalar((st).qb + (g0) * (D), hb, keys, n, D, (st).scale, s)
-#define SCORE_DP_TWIN(st, g0, hb, keys, n, C, D, s) score_piece_dp_twin((st).qb + (g0) * (D), hb, keys, n, D, (st).scale, s)
-#define SCORE_DP_ISA(st, g0, hb, keys, n, C, D, s) score_piece_dp_isa((st).qb + (g0) * (D), hb, keys, n, D, (st).scale, s)
-/* Or head pairs in 16 lanes (score_pairs_*, the same bits) where ATTN_WIDE; the pair-dot scores never pair. */
+/* Or head pairs in 16 lanes (score_pairs_*, the same bits) where ATTN_WIDE. */
 #define PAIRS_F32(st, p0, pb, heads, keys, n, C, s) \
   score_pairs_f32((st).qp + (p0) * (C), (st).qf + 2 * (p0) * (C), pb, (int)((heads) < 2 * (pb) ? (heads) : 2 * (pb)), keys, n, C, s)
 #define PAIRS_BF16(st, p0, pb, heads, keys, n, C, s) \
   score_pairs_bf16((st).qp + (p0) * (C), (st).qf + 2 * (p0) * (C), pb, (int)((heads) < 2 * (pb) ? (heads) : 2 * (pb)), keys, n, C, s)
-#define NO_PAIRS(st, p0, pb, heads, keys, n, C, s) ((void)(pb), (void)(heads), (void)(keys), (void)(s))
 #define PAIRS_F32_WIDE ATTN_WIDE
 #define PAIRS_BF16_WIDE ATTN_WIDE
-#define NO_PAIRS_WIDE 0
 #define NO_ATTR
 
 DEFINE_SEGMENT(f32, float, NO_ATTR, SCORE_F32, PAIRS_F32)
 DEFINE_SEGMENT(bf16, uint16_t, NO_ATTR, SCORE_BF16, PAIRS_BF16)
-DEFINE_SEGMENT(dp_scalar, uint16_t, NO_ATTR, SCORE_DP_SCALAR, NO_PAIRS)
-DEFINE_SEGMENT(dp_twin, uint16_t, NO_ATTR, SCORE_DP_TWIN, NO_PAIRS)
-#if DP_HAS_ISA_SOURCE
-DEFINE_SEGMENT(dp_isa, uint16_t, DPA_ISA_TARGET, SCORE_DP_ISA, NO_PAIRS)
-#endif
 
 /* Start of the segment after the one holding `pos`: segments end at multiples of SEG (absolute
  * positions), so a query's segments depend on its own key range alone, never on the batch. */
@@ -748,8 +634,9 @@ static char* task_scratch(size_t bytes) {
 /* One task for one kv head: its rows attend the shared keys [0, shared) together, a segment at a time
  * for a block of rows (each page piece read once per block), then each row its own keys
  * [max(lo, shared), hi). Every row goes through the same segments and arithmetic as it would alone. QF: whether
- * the scores read the scaled fp32 query (qf, and its head pairs); the pair-dot scores read the bf16 query as it lies. */
-#define DEFINE_TASK(SUFFIX, T, LOADV, STORE, ATTR, QF)                                                     \
+ * the scores read the scaled fp32 query (qf, and its head pairs); AMX's order scales the sums instead (qf the
+ * query widened, unscaled; qb the bf16 query as it lies). UNPAIR puts a row's accumulators back in dim order. */
+#define DEFINE_TASK(SUFFIX, T, LOADV, STORE, ATTR, QF, UNPAIR)                                                  \
   ATTR static int attend_task_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,             \
                                   int64_t max_pages, const int64_t* row_seq, const int64_t* first_page,  \
                                   const int64_t* kv_len, const int64_t* kv_lo, T* out, int64_t ldq,       \
@@ -774,7 +661,7 @@ static char* task_scratch(size_t bytes) {
       const T* qr = q + rows[i] * ldq + h * G * D;                                                       \
       v8f* qf = vectors + i * W;                                                                         \
       for (int64_t c = 0; c < G * C; ++c) {                                                              \
-        if (QF) qf[c] = LOADV(qr + c * 8) * splat(scale); /* pair-dot scores read the bf16 query instead */ \
+        qf[c] = QF ? LOADV(qr + c * 8) * splat(scale) : LOADV(qr + c * 8);                              \
         qf[G * C + c] = splat(0.f);                                                                      \
       }                                                                                                  \
       if (QF && ATTN_WIDE) /* the heads in pairs for score_pairs_* (the last one beside zeros where G is odd) */ \
@@ -812,7 +699,7 @@ static char* task_scratch(size_t bytes) {
         attend_segment_##SUFFIX(&st, 1, k, v, table, first, start, end - start, G, D, P, scores);        \
         start = end;                                                                                     \
       }                                                                                                  \
-      if (PAIRED_VALUES(T, D)) unpair_values(st.acc, G, D);                                              \
+      UNPAIR(st.acc, G, D);                                                                              \
       T* o = out + (r * H + h * G) * D;                                                                  \
       for (int64_t g = 0; g < G; ++g) {                                                                  \
         const v8f inv = splat(st.l[g] > 0.f ? 1.f / st.l[g] : 0.f);                                      \
@@ -862,13 +749,13 @@ static char* task_scratch(size_t bytes) {
     return failed ? CB_NO_MEMORY : CB_OK;                                                                \
   }
 
-DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR, 1)
-DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16, NO_ATTR, 1)
-DEFINE_TASK(dp_scalar, uint16_t, load_bf16, store_bf16, NO_ATTR, 0)
-DEFINE_TASK(dp_twin, uint16_t, load_bf16, store_bf16, NO_ATTR, 0)
-#if DP_HAS_ISA_SOURCE
-DEFINE_TASK(dp_isa, uint16_t, load_bf16, store_bf16, __attribute__((target("avx512f,avx512bf16"))), 0)
-#endif
+#define UNPAIR_WIDE(acc, G, D) if (ATTN_WIDE && sizeof(*out) == 2 && (D) % 32 == 0) unpair_values(acc, G, D) /* PAIRED_VALUES */
+#define UNPAIR_NONE(acc, G, D) ((void)(acc))
+#define UNPAIR_TWIN(acc, G, D) ta_unpair((float*)(void*)(acc), G, D)
+DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR, 1, UNPAIR_WIDE)
+DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16, NO_ATTR, 1, UNPAIR_WIDE)
+DEFINE_TASK(ta_scalar, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_NONE)
+DEFINE_TASK(ta_twin, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_TWIN)
 
 /* One task for one kv head through FN, with the head size a constant where it is 64 or 128 (so the compiler
  * keeps the accumulators in registers). */
@@ -881,18 +768,13 @@ DEFINE_TASK(dp_isa, uint16_t, load_bf16, store_bf16, __attribute__((target("avx5
                    count, task_shared[t], h))
 DEFINE_ENTRY(paged_attend_f32, float, 0, status = CALL_TASK(attend_task_f32);)
 DEFINE_ENTRY(paged_attend_bf16, uint16_t, 0, status = CALL_TASK(attend_task_bf16);)
-/* bf16 with pair-dot scores (see the top): `variant` CB_DP_SCALAR, CB_DP_TWIN or CB_DP_ISA, one that dp_variant_runs. */
-#if DP_HAS_ISA_SOURCE
-#define DP_ISA_TASK(otherwise) (variant == CB_DP_ISA ? CALL_TASK(attend_task_dp_isa) : (otherwise))
-#else
-#define DP_ISA_TASK(otherwise) (otherwise)
-#endif
-DEFINE_ENTRY(paged_attend_bf16dp, uint16_t, !dp_variant_supported(variant) || D % 32,
-             status = DP_ISA_TASK(variant == CB_DP_TWIN ? CALL_TASK(attend_task_dp_twin)
-                                                        : CALL_TASK(attend_task_dp_scalar));)
+/* bf16 in AMX's order (attention_tile.h): `variant` CB_DP_SCALAR (the reference) or CB_DP_TWIN. */
+DEFINE_ENTRY(paged_attend_bf16dp, uint16_t, (variant != CB_DP_SCALAR && variant != CB_DP_TWIN) || D % 32 || D > TA_MAX_D,
+             status = variant == CB_DP_TWIN ? CALL_TASK(attend_task_ta_twin) : CALL_TASK(attend_task_ta_scalar);)
 
 int64_t paged_attend_max_gd(void) { return MAX_GD; }
 int64_t paged_attend_segment(void) { return SEG; }
+int64_t paged_attend_tile_max_d(void) { return TA_MAX_D; }
 
 /* pool [H_kv, NB * P, D] (contiguous); src [H_kv, T, D] with strides (head, token) in
  * elements and unit stride along D; slots [T] (cb_kv_write_params). Copies T * H_kv rows of D elements. */

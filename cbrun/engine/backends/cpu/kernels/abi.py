@@ -240,7 +240,9 @@ SIGNATURES = {
     "paged_attend_bf16dp": _ATTEND,
     "paged_attend_max_gd": (_I64, []),
     "paged_attend_segment": (_I64, []),
+    "paged_attend_tile_max_d": (_I64, []),
     "attend_dp_scores": (_INT, [_INT, _P, _P, _I64, _I64, _I64, _F32, _P]),
+    "attend_dp_values": (_INT, [_INT, _P, _P, _I64, _I64, _I64, _P]),
     "paged_write": (None, [ctypes.POINTER(KvWriteParams)]),
     # sampling.c
     "sample_rows_f32": (None, [ctypes.POINTER(SampleParams)]),

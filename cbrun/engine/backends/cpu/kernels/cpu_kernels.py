@@ -49,7 +49,7 @@ from cbrun.engine.backends.cpu.kernels.abi import (
     unit_stride_rows,
 )
 from cbrun.engine.backends.cpu.kernels.int8 import Int8Kernels
-from cbrun.engine.backends.cpu.kernels.isa_variants import IsaVariants, dp_scores
+from cbrun.engine.backends.cpu.kernels.isa_variants import ATTENTION_VARIANTS, IsaVariants, dp_scores, dp_values
 from cbrun.engine.backends.cpu.kernels.lora import LoraKernels
 from cbrun.engine.backends.cpu.kernels.pair_dot import LINEAR_DTYPES, PairDotKernels
 from cbrun.engine.backends.cpu.kernels.sampling import SamplingCalls
@@ -76,7 +76,8 @@ class CpuKernels(SamplingCalls):
         self.max_gd = int(library.paged_attend_max_gd())
         self.segment = int(library.paged_attend_segment())  # keys per online-softmax segment
         self.max_segments = int(library.linear_max_segments())
-        self.attend_dp_variant = variants.attention  # bf16 scores on pair dots (attention.c), chosen at load
+        self.tile_max_dim = int(library.paged_attend_tile_max_d())  # head sizes bf16 attention takes AMX's order at
+        self.attend_dp_variant = variants.attention  # bf16 attention in AMX's order (attention_tile.h), chosen at load
         self.dp = PairDotKernels(library, variants)  # linear_dpbf16.c's entry points
         self.int8 = Int8Kernels(library, variants)  # linear_int8.c's entry points
         self.lora = LoraKernels(library)  # lora.c's grouped adapter deltas
@@ -129,7 +130,7 @@ class CpuKernels(SamplingCalls):
             raise KernelError("attend: index tensors must be contiguous int64")
         task_rows, task_start, task_shared = tasks
         out = q.new_empty(rows, heads, dim)
-        pair_dots = q.dtype == torch.bfloat16 and dim % 32 == 0  # bf16 scores as vdpbf16ps computes them
+        pair_dots = self.tile_order(q.dtype, dim)
         function = self._lib.paged_attend_bf16dp if pair_dots else self.attend_functions[q.dtype]
         params = AttendParams(
             q=ptr(q),
@@ -162,13 +163,22 @@ class CpuKernels(SamplingCalls):
         check(status, "attend")
         return out
 
+    def tile_order(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether attention of this dtype and head size computes AMX's order (bf16, whole 32-element blocks); the
+        rest keeps the fp32 chains of the other kernels."""
+        return dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= self.tile_max_dim
+
     def dp_attention_runs(self, variant: str) -> bool:
-        """Whether this CPU runs a variant of the pair-dot attention scores (the linears' answer: dp_pairs.h)."""
-        return self.dp.variant_runs(variant)
+        """Whether this CPU runs a variant of the AMX-order attention (isa_variants.ATTENTION_VARIANTS)."""
+        return variant in ATTENTION_VARIANTS
 
     def attend_dp_scores(self, variant: str, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-        """Scores [G, n] of q [G, D] against keys [n, D] by one variant of the pair-dot scores (isa_variants.py)."""
+        """Scores [G, n] of q [G, D] against keys [n, D] by one variant of the AMX-order attention (isa_variants.py)."""
         return dp_scores(self._lib, variant, q, keys, scale)
+
+    def attend_dp_values(self, variant: str, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Value sums [G, D] of values [n, D] weighted by weights [G, n] (rounded to bf16) by one variant."""
+        return dp_values(self._lib, variant, weights, values)
 
     def write_kv(self, pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy `new` [H_kv, T, D] (unit stride along D) into `pool` [H_kv, NB, P, D] at flat `slots` [T]."""

@@ -9,15 +9,15 @@ the tile state). The kernels object keeps the answer: the linear methods read
 it before their self-check at the model's shapes (linear/method_selector.py), and no
 kernel call asks the CPU again.
 
-bf16 attention scores are dot products of bf16 pairs, the arithmetic of
-AVX512-BF16's `vdpbf16ps` (attention.c), computed by the instruction, a
-portable twin (vector FMAs under the CPU's flush modes) or the plain-C
-reference. The fastest variant that runs here and equals the reference on
-probe scores (typical values, values whose products go through denormals,
-denormal inputs, cancelling sums) serves; so a CPU whose flush modes or FMAs
-do not behave as the twin expects falls back to the reference and still
-computes the same bits as every other CPU. The check takes a few
-milliseconds, so it runs at every load rather than being cached.
+bf16 attention (head sizes of whole 32-element blocks) computes AMX's
+`tdpbf16ps` order for its scores and its value sums (attention.c,
+attention_tile.h), by a portable twin (vector FMAs under the CPU's flush
+modes) or the plain-C reference. The twin serves where it equals the
+reference on probes of both (typical values, products through denormals,
+denormal inputs, cancelling sums); so a CPU whose flush modes or FMAs do not
+behave as the twin expects falls back to the reference and still computes the
+same bits as every other CPU. The check takes a few milliseconds, so it runs
+at every load rather than being cached.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from cbrun.engine.backends.cpu.kernels.abi import VARIANTS, KernelError, check, 
 log = logging.getLogger("cbrun.engine")
 
 _RUNS = {"dp": "dp_variant_runs", "int8": "i8_variant_runs"}  # each family's "does this CPU run it" entry point
-_PREFERENCE = ("isa", "twin", "scalar")  # bf16 attention scores, fastest first; "scalar" is the reference
+ATTENTION_VARIANTS = ("twin", "scalar")  # bf16 attention in AMX's order, fastest first; "scalar" is the reference
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class IsaVariants:
     """What the load found: the variants of each family this CPU runs, and the one serving attention scores."""
 
     runs: dict[str, tuple[str, ...]]  # family -> the variants that run here, in kernel_abi.VARIANTS' order
-    attention: str  # the pair-dot variant of bf16 attention scores: isa, twin or scalar
+    attention: str  # the variant of bf16 attention in AMX's order: twin or scalar
 
     def runnable(self, family: str, variant: str) -> bool:
         if variant not in VARIANTS[family]:
@@ -51,11 +51,13 @@ class IsaVariants:
 
 
 class PairScores(Protocol):
-    """What the attention check needs of the kernels: which variants run, and one variant's scores."""
+    """What the attention check needs of the kernels: which variants run, and one variant's scores and values."""
 
     def dp_attention_runs(self, variant: str) -> bool: ...
 
     def attend_dp_scores(self, variant: str, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+    def attend_dp_values(self, variant: str, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor: ...
 
 
 def score_variants(library: ctypes.CDLL) -> IsaVariants:
@@ -64,13 +66,13 @@ def score_variants(library: ctypes.CDLL) -> IsaVariants:
         family: tuple(name for name, number in table.items() if getattr(library, _RUNS[family])(number))
         for family, table in VARIANTS.items()
     }
-    attention = choose_attention_dp_variant(_LibraryScores(library, runs["dp"]))
+    attention = choose_attention_dp_variant(_LibraryScores(library))
     return IsaVariants(runs, attention)
 
 
 def dp_scores(library: ctypes.CDLL, variant: str, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """Scores [G, n] of q [G, D] against keys [n, D] (bf16, D a multiple of 32, n <= the segment) by one variant
-    of attention.c's pair-dot scores: what the load check and the tests compare."""
+    of the AMX-order attention (attention_tile.h): what the load check and the tests compare."""
     heads, dim = q.shape
     count = keys.shape[0]
     if q.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16 or keys.shape[1] != dim:
@@ -82,17 +84,34 @@ def dp_scores(library: ctypes.CDLL, variant: str, q: torch.Tensor, keys: torch.T
     return out
 
 
-class _LibraryScores:
-    """The library's pair-dot scores, before the kernels object that will keep the choice exists."""
+def dp_values(library: ctypes.CDLL, variant: str, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Value sums [G, D] of values [n, D] (bf16) weighted by weights [G, n] (fp32, rounded to bf16 by the kernel),
+    keys from position 0, by one variant of the AMX-order attention."""
+    heads, count = weights.shape
+    dim = values.shape[1]
+    if weights.dtype != torch.float32 or values.dtype != torch.bfloat16 or values.shape[0] != count:
+        raise KernelError("attend_dp_values: weights [G, n] fp32 and values [n, D] bf16")
+    weights, values = weights.contiguous(), values.contiguous()
+    out = torch.empty(heads, dim, dtype=torch.float32)
+    number = VARIANTS["dp"][variant]
+    check(library.attend_dp_values(number, ptr(weights), ptr(values), heads, count, dim, ptr(out)), "attend_dp_values")
+    return out
 
-    def __init__(self, library: ctypes.CDLL, runs: tuple[str, ...]) -> None:
-        self.library, self.runs = library, runs
+
+class _LibraryScores:
+    """The library's AMX-order attention parts, before the kernels object that will keep the choice exists."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
 
     def dp_attention_runs(self, variant: str) -> bool:
-        return variant in self.runs
+        return variant in ATTENTION_VARIANTS
 
     def attend_dp_scores(self, variant: str, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
         return dp_scores(self.library, variant, q, keys, scale)
+
+    def attend_dp_values(self, variant: str, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return dp_values(self.library, variant, weights, values)
 
 
 def probe_scores(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -112,17 +131,35 @@ def probe_scores(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [typical, tiny_products, denormal_inputs, mixed, cancelling]
 
 
+def probe_values(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weights [3, 45], values [45, 64]): a partial last block, weights that round to bf16 ties, tiny products."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.rand(3, 45, generator=generator)
+    weights[0, ::3] = 1 + 2.0**-8 * (torch.arange(15) % 2 * 2 + 1) / 2  # halfway between bf16 values: ties
+    values = torch.randn(45, 64, generator=generator).to(torch.bfloat16)
+    tiny = values.clone()
+    tiny[::2] = (tiny[::2].float() * 1e-37).to(torch.bfloat16)  # products and sums through the denormal range
+    cancelling = values.clone()
+    cancelling[1::2] = -cancelling[::2][: cancelling[1::2].shape[0]]
+    return [(weights, values), (weights * 1e-3, tiny), (torch.ones(3, 45), cancelling)]
+
+
 def choose_attention_dp_variant(kernels: PairScores) -> str:
-    """The first of isa, twin, scalar that runs here and gives the reference's bits on every probe."""
-    probes = probe_scores()
-    reference = [kernels.attend_dp_scores("scalar", q, keys, 0.125).view(torch.int32) for q, keys in probes]
-    for variant in _PREFERENCE:
+    """The first of twin, scalar that runs here and gives the reference's bits on every probe of both halves."""
+    scores, values = probe_scores(), probe_values()
+
+    def results(variant: str) -> list[torch.Tensor]:
+        got = [kernels.attend_dp_scores(variant, q, keys, 0.125) for q, keys in scores]
+        got += [kernels.attend_dp_values(variant, weights, rows) for weights, rows in values]
+        return [t.view(torch.int32) for t in got]
+
+    reference = results("scalar")
+    for variant in ATTENTION_VARIANTS:
         if variant == "scalar":
             return variant
         if not kernels.dp_attention_runs(variant):
             continue
-        got = [kernels.attend_dp_scores(variant, q, keys, 0.125).view(torch.int32) for q, keys in probes]
-        if all(torch.equal(a, b) for a, b in zip(got, reference, strict=True)):
+        if all(torch.equal(a, b) for a, b in zip(results(variant), reference, strict=True)):
             return variant
-        log.warning("bf16 attention scores: the %s variant differs from the reference on this CPU; not used", variant)
+        log.warning("bf16 attention: the %s variant differs from the reference on this CPU; not used", variant)
     return "scalar"

@@ -1,0 +1,291 @@
+/* bf16 attention in AMX's order (paged_attend_bf16dp): scores and value sums as tdpbf16ps computes them.
+ *
+ * Included by attention.c after its row state and helpers. Both products of attention are bf16 dot products in
+ * the order of tile_order.h (the linears' one bf16 arithmetic), so that AMX tiles can compute them and every
+ * other CPU computes the same bits:
+ *
+ *   score(q, key) = C * scale, C from +0 over the D / 32 blocks of 16 element pairs of the head, ascending:
+ *       E = fma(q[2k], key[2k], E)   O = fma(q[2k+1], key[2k+1], O)   C = C + (E + O)
+ *     (the tiles: A = 16 key rows of 32 elements as they lie in the page, B = the query heads, paired).
+ *   out[d] += sum over the segment's keys of w[j] * value[j][d], in blocks of 32 keys at absolute positions
+ *     32m .. 32m + 31 (pairs of adjacent keys), each block C = C + (E + O) with E over its even keys and O
+ *     over its odd ones; w[j] is the softmax weight exp(s_j - max) rounded to bf16 (the tiles' A operand is
+ *     bf16), a key outside the segment a zero weight on a zero value, as the tiles' zero padding computes it.
+ *
+ * Denormal inputs read as zero and results flush (tile_order.h). A segment boundary (a multiple of SEG, itself a
+ * multiple of 32, or the row's own first and last key) never cuts a block in two rows' different ways, so a key
+ * range's bits depend on the row's keys alone: batch invariance as for the fp32 chains. The softmax statistics
+ * (max, sum of the unrounded weights, the rescale between segments) stay fp32, as in the other kernels.
+ *
+ * Two variants compute it: the plain-C reference (tile_order.h's helpers, its own flushing) and the portable
+ * twin (vector FMAs under the CPU's flush modes): the scores with keys in the lanes (each VEC keys' pairs
+ * transposed once per run and shared by every head and row of the task), the values with dims in the lanes
+ * (a 2 * VEC-dim chunk of a value row loaded once: its even dims by a shift, its odd dims by a mask, so the
+ * accumulators hold a chunk's even dims, then its odd dims, until ta_unpair). The loader serves the twin only
+ * after it equalled the reference on this CPU. */
+#ifndef CBRUN_ATTENTION_TILE_H
+#define CBRUN_ATTENTION_TILE_H
+
+#include "dp_pairs.h"
+#include "tile_order.h"
+
+#define TA_MAX_D 256                /* head size at most: the transposed keys of a lane group stay on the stack */
+#define TA_BLOCK_KEYS TO_BLOCK_K    /* keys per value block: 16 pairs of adjacent keys */
+#define TA_HBV (VEC == 16 ? 3 : 2)  /* heads per value pass: 4 * TA_HBV accumulators, within the registers */
+_Static_assert(SEG % TA_BLOCK_KEYS == 0, "segments of whole value blocks");
+
+/* A softmax weight p (finite, >= 0) rounded to the nearest bf16, ties to even, kept as fp32. */
+static inline float ta_round_weight(float p) {
+  union { float f; uint32_t u; } c = {p};
+  c.u = (c.u + 0x7FFFu + ((c.u >> 16) & 1u)) & 0xFFFF0000u;
+  return c.f;
+}
+
+/* ---- the plain-C reference ------------------------------------------------------------------------ */
+
+static inline float ta_score_scalar(const uint16_t* q, const uint16_t* key, int64_t D, float scale) {
+  float c = 0.f;
+  for (int64_t b = 0; b < D; b += TO_BLOCK_K) c = to_block(c, q + b, key + b, 2);
+  return dp_flush(c * scale);
+}
+
+/* acc [G, D] (dim order) += the values of keys [start, end) weighted by w (w[g * SEG + j] for key start + j,
+ * bf16-rounded), block by block; the value rows through `table` (table[0] is logical page `first`). */
+static void ta_values_scalar(float* acc, const float* w, const uint16_t* v, const int64_t* table, int64_t first,
+                             int64_t start, int64_t end, int64_t G, int64_t D, int64_t P) {
+  for (int64_t b = start / TA_BLOCK_KEYS * TA_BLOCK_KEYS; b < end; b += TA_BLOCK_KEYS)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) {
+        float sums[2] = {0.f, 0.f}; /* E (even keys), O (odd keys) */
+        for (int64_t pos = b; pos < b + TA_BLOCK_KEYS; ++pos) {
+          const int in = pos >= start && pos < end;
+          const float weight = in ? to_daz(w[g * SEG + pos - start]) : 0.f;
+          const float value = in ? to_read(v[pool_row(table, first, pos, P) * D + d]) : 0.f;
+          sums[pos % 2] = to_fma(weight, value, sums[pos % 2]);
+        }
+        acc[g * D + d] = to_add(to_daz(acc[g * D + d]), to_add(sums[0], sums[1]));
+      }
+}
+
+/* ---- the portable twin ---------------------------------------------------------------------------- */
+
+/* r[i][x] -> r[x][i] for a VEC x VEC block of 32-bit lanes: at the stage for bit k, rows i and i + k (bit k of i
+ * clear) swap the lanes where bit k of the lane and of the row differ; after every bit, each lane has moved to the
+ * transposed place. */
+static inline void ta_transpose_block(vNu* r) {
+#if VEC == 16
+  for (int i = 0; i < 16; ++i)
+    if (!(i & 1)) {
+      const vNu a = r[i], b = r[i + 1];
+      r[i] = SHUFFLE16(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+      r[i + 1] = SHUFFLE16(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    }
+  for (int i = 0; i < 16; ++i)
+    if (!(i & 2)) {
+      const vNu a = r[i], b = r[i + 2];
+      r[i] = SHUFFLE16(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[i + 2] = SHUFFLE16(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+  for (int i = 0; i < 16; ++i)
+    if (!(i & 4)) {
+      const vNu a = r[i], b = r[i + 4];
+      r[i] = SHUFFLE16(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+      r[i + 4] = SHUFFLE16(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+  for (int i = 0; i < 16; ++i)
+    if (!(i & 8)) {
+      const vNu a = r[i], b = r[i + 8];
+      r[i] = SHUFFLE16(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+      r[i + 8] = SHUFFLE16(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+#else
+  for (int i = 0; i < 8; ++i)
+    if (!(i & 1)) {
+      const vNu a = r[i], b = r[i + 1];
+      r[i] = SHUFFLE(a, b, 0, 8, 2, 10, 4, 12, 6, 14);
+      r[i + 1] = SHUFFLE(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+    }
+  for (int i = 0; i < 8; ++i)
+    if (!(i & 2)) {
+      const vNu a = r[i], b = r[i + 2];
+      r[i] = SHUFFLE(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
+      r[i + 2] = SHUFFLE(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int i = 0; i < 8; ++i)
+    if (!(i & 4)) {
+      const vNu a = r[i], b = r[i + 4];
+      r[i] = SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11);
+      r[i + 4] = SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+#endif
+}
+
+/* kt [D / 2, VEC]: pair p of key i (rows D apart, m <= VEC of them) at kt[p * VEC + i], zero pairs past key m. */
+static inline void ta_transpose(const uint16_t* keys, int64_t m, int64_t D, uint32_t* kt) {
+  for (int64_t p0 = 0; p0 < D / 2; p0 += VEC) {
+    vNu r[VEC];
+    for (int i = 0; i < VEC; ++i) {
+      if (i < m) r[i] = *(const vNu_mem*)(keys + i * D + 2 * p0);
+      else r[i] = (vNu){0};
+    }
+    ta_transpose_block(r);
+    for (int x = 0; x < VEC; ++x) *(vNu*)(void*)(kt + (p0 + x) * VEC) = r[x];
+  }
+}
+
+/* The scores of hb heads (qw [hb, D], the query widened to fp32) against the m keys of kt, into s[g * SEG + i];
+ * the caller holds the flush modes on. */
+static inline __attribute__((always_inline)) void ta_score_keys_twin(const float* qw, int hb, const uint32_t* kt,
+                                                                    int64_t D, float scale, int64_t m, float* s) {
+  vNf c[HB];
+  for (int g = 0; g < hb; ++g) c[g] = splatN(0.f);
+  for (int64_t b = 0; b < D / 2; b += TO_BLOCK_PAIRS) {
+    vNf e[HB], o[HB];
+    for (int g = 0; g < hb; ++g) e[g] = o[g] = splatN(0.f);
+    for (int64_t p = b; p < b + TO_BLOCK_PAIRS; ++p) {
+      const vNu raw = *(const vNu*)(const void*)(kt + p * VEC);
+      vNf low = twin_low(raw), high = twin_high(raw); /* element 2p, 2p + 1 of every key */
+      KEEP_IN_REGISTER_N(low);
+      KEEP_IN_REGISTER_N(high);
+      for (int g = 0; g < hb; ++g) {
+        e[g] += splatN(qw[g * D + 2 * p]) * low;
+        o[g] += splatN(qw[g * D + 2 * p + 1]) * high;
+      }
+    }
+    for (int g = 0; g < hb; ++g) c[g] = c[g] + (e[g] + o[g]);
+  }
+  for (int g = 0; g < hb; ++g) {
+    float lanes[VEC] __attribute__((aligned(64)));
+    storeN_f32(lanes, c[g] * splatN(scale));
+    for (int64_t i = 0; i < m; ++i) s[g * SEG + i] = lanes[i];
+  }
+}
+
+/* One block of 32 keys for hb heads: acc [hb, D] (paired chunks) += the block's values (rows[i], a zero row where
+ * there is no key) weighted by w [hb, TA_BLOCK_KEYS] (zero where there is no key); flush modes on. */
+static inline __attribute__((always_inline)) void ta_value_block_twin(float* acc, int hb, const float* w,
+                                                                     const uint16_t* const* rows, int64_t D) {
+  for (int64_t c0 = 0; c0 < D; c0 += 2 * VEC) {
+    vNf ee[TA_HBV], eo[TA_HBV], oe[TA_HBV], oo[TA_HBV]; /* even keys x even dims, x odd dims; odd keys x ... */
+    for (int g = 0; g < hb; ++g) ee[g] = eo[g] = oe[g] = oo[g] = splatN(0.f);
+    for (int k = 0; k < TO_BLOCK_PAIRS; ++k) {
+      const vNu even_key = *(const vNu_mem*)(rows[2 * k] + c0), odd_key = *(const vNu_mem*)(rows[2 * k + 1] + c0);
+      vNf e_lo = twin_low(even_key), e_hi = twin_high(even_key), o_lo = twin_low(odd_key), o_hi = twin_high(odd_key);
+      KEEP_IN_REGISTER_N(e_lo);
+      KEEP_IN_REGISTER_N(e_hi);
+      KEEP_IN_REGISTER_N(o_lo);
+      KEEP_IN_REGISTER_N(o_hi);
+      for (int g = 0; g < hb; ++g) {
+        const vNf we = splatN(w[g * TA_BLOCK_KEYS + 2 * k]), wo = splatN(w[g * TA_BLOCK_KEYS + 2 * k + 1]);
+        ee[g] += we * e_lo;
+        eo[g] += we * e_hi;
+        oe[g] += wo * o_lo;
+        oo[g] += wo * o_hi;
+      }
+    }
+    for (int g = 0; g < hb; ++g) {
+      float* a = acc + g * D + c0;
+      storeN_f32(a, loadN_f32(a) + (ee[g] + oe[g]));
+      storeN_f32(a + VEC, loadN_f32(a + VEC) + (eo[g] + oo[g]));
+    }
+  }
+}
+
+/* The values of keys [start, end) for one row's G heads: acc [G, D] (paired chunks), w [G, SEG] the rounded
+ * weights of keys start ...; flush modes on. */
+static inline void ta_values_twin(float* acc, const float* w, const uint16_t* v, const int64_t* table, int64_t first,
+                                  int64_t start, int64_t end, int64_t G, int64_t D, int64_t P) {
+  static const uint16_t zero_row[TA_MAX_D] __attribute__((aligned(64)));
+  const uint16_t* rows[TA_BLOCK_KEYS];
+  float wb[MAX_G * TA_BLOCK_KEYS] __attribute__((aligned(64)));
+  for (int64_t b = start / TA_BLOCK_KEYS * TA_BLOCK_KEYS; b < end; b += TA_BLOCK_KEYS) {
+    for (int64_t i = 0; i < TA_BLOCK_KEYS; ++i) {
+      const int64_t pos = b + i;
+      const int in = pos >= start && pos < end;
+      rows[i] = in ? v + pool_row(table, first, pos, P) * D : zero_row;
+      for (int64_t g = 0; g < G; ++g) wb[g * TA_BLOCK_KEYS + i] = in ? w[g * SEG + pos - start] : 0.f;
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += TA_HBV) {
+      const int64_t left = G - g0;
+      float* a = acc + g0 * D;
+      const float* wg = wb + g0 * TA_BLOCK_KEYS;
+      if (left >= TA_HBV) ta_value_block_twin(a, TA_HBV, wg, rows, D);
+      else if (left == 2) ta_value_block_twin(a, 2, wg, rows, D);
+      else ta_value_block_twin(a, 1, wg, rows, D);
+    }
+  }
+}
+
+/* A row's G heads' accumulators from the twin's paired chunks back to dim order (a permutation). */
+static inline void ta_unpair(float* acc, int64_t G, int64_t D) {
+  float chunk[2 * VEC];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c0 = 0; c0 < D; c0 += 2 * VEC) {
+      float* a = acc + g * D + c0;
+      for (int i = 0; i < VEC; ++i) chunk[2 * i] = a[i], chunk[2 * i + 1] = a[VEC + i];
+      memcpy(a, chunk, sizeof chunk);
+    }
+}
+
+/* ---- a segment: scores, the softmax update, the values ----------------------------------------------- */
+
+/* The segment's softmax update for every row and head: s becomes the bf16-rounded weights, the accumulators
+ * rescaled (attention.c's online softmax, fp32). */
+static inline void ta_softmax(const row_state* st, int64_t count, float* scores, int64_t n, int64_t G, int64_t C) {
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = scores + (i * G + g) * SEG;
+      const float correction = SEGMENT_SOFTMAX(s, n, st[i].m + g, st[i].l + g);
+      if (correction != 1.f)
+        for (int64_t c = 0; c < C; ++c) st[i].acc[g * C + c] *= splat(correction);
+      for (int64_t j = 0; j < n; ++j) s[j] = ta_round_weight(s[j]);
+    }
+}
+
+/* Keys [start, start + n) of one segment for `count` rows that all see them (attention.c's attend_segment_*: the
+ * same contract and scratch), by the reference. */
+static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, const uint16_t* k, const uint16_t* v,
+                                            const int64_t* table, int64_t first, int64_t start, int64_t n, int64_t G,
+                                            int64_t D, int64_t P, float* scores) {
+  for (int64_t pos = start; pos < start + n; ++pos) {
+    const uint16_t* key = k + pool_row(table, first, pos, P) * D;
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t g = 0; g < G; ++g)
+        scores[(i * G + g) * SEG + pos - start] = ta_score_scalar(st[i].qb + g * D, key, D, st[i].scale);
+  }
+  ta_softmax(st, count, scores, n, G, D / 8);
+  for (int64_t i = 0; i < count; ++i)
+    ta_values_scalar((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);
+}
+
+/* The same by the twin: each run's keys transposed VEC at a time, scored for every row and head of the task. */
+static inline void attend_segment_ta_twin(const row_state* st, int64_t count, const uint16_t* k, const uint16_t* v,
+                                          const int64_t* table, int64_t first, int64_t start, int64_t n, int64_t G,
+                                          int64_t D, int64_t P, float* scores) {
+  const int64_t C = D / 8;
+  uint32_t kt[TA_MAX_D / 2 * VEC] __attribute__((aligned(64)));
+  unsigned modes = dp_flush_on();
+  for (int64_t pos = start; pos < start + n;) {
+    const int64_t cnt = run_keys(table, first, pos, start + n, P);
+    const uint16_t* keys = k + pool_row(table, first, pos, P) * D;
+    prefetch_l2(v + pool_row(table, first, pos, P) * D, cnt * D * (int64_t)sizeof(uint16_t));
+    for (int64_t j = 0; j < cnt; j += VEC) {
+      const int64_t m = cnt - j < VEC ? cnt - j : VEC;
+      ta_transpose(keys + j * D, m, D, kt);
+      for (int64_t i = 0; i < count; ++i) {
+        float* s = scores + i * G * SEG + (pos - start) + j;
+        const float* qw = (const float*)(const void*)st[i].qf;
+        FOR_HEAD_BLOCKS(G, ta_score_keys_twin(qw + g0 * D, hb_, kt, D, st[i].scale, m, s + g0 * SEG))
+      }
+    }
+    pos += cnt;
+  }
+  dp_flush_restore(modes);
+  ta_softmax(st, count, scores, n, G, C);
+  modes = dp_flush_on();
+  for (int64_t i = 0; i < count; ++i)
+    ta_values_twin((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);
+  dp_flush_restore(modes);
+}
+
+#endif
