@@ -127,6 +127,35 @@ def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_head64_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """LlamaForCausalLM, 2 layers, 2 query heads / 1 KV head of 64 (bf16 attention in AMX's order), 9k positions."""
+    from transformers import LlamaConfig
+
+    shape = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=9216)
+    config = LlamaConfig(num_hidden_layers=2, **{**_COMMON, **shape})
+    return save_tiny_model(config, tiny_tokenizer, tmp_path_factory.mktemp("tiny-llama-head64"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_head128_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """Qwen2ForCausalLM (q/k/v biases), 2 layers, 2 query heads / 1 KV head of 128, 9k positions."""
+    from transformers import Qwen2Config
+
+    shape = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=9216)
+    config = Qwen2Config(num_hidden_layers=2, **{**_COMMON, **shape})
+    return save_tiny_model(config, tiny_tokenizer, tmp_path_factory.mktemp("tiny-qwen2-head128"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_head128_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """Qwen3ForCausalLM, 2 layers, explicit head_dim 128 (4 query / 2 KV heads), q/k norms, 9k positions."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(num_hidden_layers=2, head_dim=128, **{**_COMMON, "max_position_embeddings": 9216})
+    return save_tiny_model(config, tiny_tokenizer, tmp_path_factory.mktemp("tiny-qwen3-head128"))
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral_sliding_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     """MistralForCausalLM, 2 layers, every layer a sliding window of SLIDING_WINDOW (32) tokens."""
     from transformers import MistralConfig
