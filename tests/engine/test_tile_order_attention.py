@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_helpers import random_prompts, run_requests
 
-from cbrun.engine import EngineConfig, SamplingParams
+from cbrun.engine import Engine, EngineConfig, SamplingParams
 from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
 from cbrun.models import load_model
 
@@ -63,3 +63,13 @@ def test_an_8k_context_gives_the_same_bits_alone_and_in_a_crowd(request, fixture
     config = EngineConfig(max_batch_tokens=700, num_blocks=1100)
     crowded = run_requests(model, tokenizer, [crowd[0], ("t", target, greedy), *crowd[1:]], config)
     assert crowded["t"] == alone["t"]
+
+
+@pytest.mark.parametrize("fixture,takes_the_order", [("tiny_qwen3_dir", True), ("tiny_llama_dir", False)])
+def test_the_run_summary_names_attentions_order_where_it_serves(request, fixture, takes_the_order):
+    """Heads of 32 (tiny Qwen3) take AMX's order, heads of 16 (tiny Llama) the bf16 chains: the summary says which."""
+    model, tokenizer = load_model(str(request.getfixturevalue(fixture)), dtype="bfloat16")
+    with Engine(model, tokenizer, EngineConfig(num_blocks=16)) as engine:
+        brief = engine.linear_kernels()
+    expected = f"attention AMX's order on {kernels.attend_dp_variant} (same bits on every CPU)"
+    assert (expected in brief) == takes_the_order, brief

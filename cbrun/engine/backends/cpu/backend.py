@@ -92,6 +92,7 @@ class CpuBackend(KernelBackend):
         self.fused_layers: list[LayerPlan] = []
         self.held: HeldWeights | None = None  # the weights the layer methods hold, while installed
         self.method_choices: list[MethodChoice] = []
+        self.attention_brief = ""  # "attention: AMX's order on twin (...)" where bf16 attention takes AMX's order
 
     def install(self, model: CausalLM, spec: ModelSpec) -> None:
         """Choose a linear method per weight dtype (after its self-check), give Llama-shaped decoder layers the
@@ -116,6 +117,9 @@ class CpuBackend(KernelBackend):
         give_back_memory()  # the dropped tensors' heap pages
         keep_freed_blocks()  # from now on: a step's big buffers reused, not mapped afresh (host_memory.py)
         self.install_attention(spec)
+        if self.attends_rows and self.kernels.tile_order(spec.kv.dtype, spec.kv.head_dim):
+            variant = self.kernels.attend_dp_variant
+            self.attention_brief = f"attention AMX's order on {variant} (same bits on every CPU)"
 
     def _install_int8(
         self, model: CausalLM, head: torch.nn.Module | None, methods: dict[torch.dtype, LinearMethod]
@@ -178,8 +182,10 @@ class CpuBackend(KernelBackend):
         return score_logits(logits, targets, top_k, self.kernels)
 
     def linear_kernels(self) -> str:
-        """The method serving each weight dtype and whether its bits are the same on every CPU."""
-        return "; ".join(choice.brief() for choice in self.method_choices) or self.name
+        """The method serving each weight dtype, and bf16 attention's variant, and whether their bits are the same on
+        every CPU."""
+        briefs = [choice.brief() for choice in self.method_choices] + [self.attention_brief]
+        return "; ".join(b for b in briefs if b) or self.name
 
     def describe(self) -> str:
         attention = "compiled" if self.attends_rows else "torch"

@@ -446,8 +446,14 @@ typedef struct {
  * `variant` (CB_DP_SCALAR or CB_DP_TWIN): what the load check and the tests compare. */
 int attend_dp_scores(int variant, const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D, float scale,
                      float* out) {
-  if ((variant != CB_DP_SCALAR && variant != CB_DP_TWIN) || D % 32 || D > TA_MAX_D || n < 1 || n > SEG || G < 1)
-    return CB_BAD_ARGS;
+  if (!ta_variant_runs(variant) || D % 32 || D > TA_MAX_D || n < 1 || n > SEG || G < 1) return CB_BAD_ARGS;
+#if CB_HAS_AMX_SOURCE
+  if (variant == CB_DP_AMX) {
+    if (G > TA_AMX_MAX_G) return CB_BAD_ARGS;
+    ta_scores_amx_entry(q, keys, G, n, D, scale, out);
+    return 0;
+  }
+#endif
   if (variant == CB_DP_SCALAR) {
     for (int64_t g = 0; g < G; ++g)
       for (int64_t j = 0; j < n; ++j) out[g * n + j] = ta_score_scalar(q + g * D, keys + j * D, D, scale);
@@ -477,8 +483,8 @@ int attend_dp_scores(int variant, const uint16_t* q, const uint16_t* keys, int64
  * to bf16 here), from zero accumulators, by `variant`: the value half of the load check. */
 int attend_dp_values(int variant, const float* w, const uint16_t* values, int64_t G, int64_t n, int64_t D,
                      float* out) {
-  if ((variant != CB_DP_SCALAR && variant != CB_DP_TWIN) || D % 32 || D > TA_MAX_D || n < 1 || n > SEG || G < 1
-      || G > MAX_G)
+  if (!ta_variant_runs(variant) || D % 32 || D > TA_MAX_D || n < 1 || n > SEG || G < 1 || G > MAX_G
+      || (variant == CB_DP_AMX && G > 16))
     return CB_BAD_ARGS;
   float rounded[MAX_G * SEG];
   for (int64_t g = 0; g < G; ++g)
@@ -489,6 +495,12 @@ int attend_dp_values(int variant, const float* w, const uint16_t* values, int64_
     ta_values_scalar(out, rounded, values, table, 0, 0, n, G, D, n);
     return 0;
   }
+#if CB_HAS_AMX_SOURCE
+  if (variant == CB_DP_AMX) {
+    ta_values_amx_entry(out, rounded, values, table, G, n, D);
+    return 0;
+  }
+#endif
   const unsigned modes = dp_flush_on();
   ta_values_twin(out, rounded, values, table, 0, 0, n, G, D, n);
   dp_flush_restore(modes);
@@ -756,6 +768,27 @@ DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR, 1, UNPAIR_WIDE)
 DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16, NO_ATTR, 1, UNPAIR_WIDE)
 DEFINE_TASK(ta_scalar, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_NONE)
 DEFINE_TASK(ta_twin, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_TWIN)
+#if CB_HAS_AMX_SOURCE
+DEFINE_TASK(ta_amx, uint16_t, load_bf16, store_bf16, TA_AMX_TARGET, 0, UNPAIR_NONE)
+
+/* attend_task_ta_amx with the tiles configured for the task's G around it (a thread's own tile state); more
+ * than TA_AMX_MAX_G query heads per kv head take the twin, the same bits. */
+TA_AMX_TARGET static int attend_task_ta_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                              const int64_t* tables, int64_t max_pages, const int64_t* row_seq,
+                                              const int64_t* first_page, const int64_t* kv_len, const int64_t* kv_lo,
+                                              uint16_t* out, int64_t ldq, int64_t H, int64_t G, int64_t D, int64_t P,
+                                              float scale, const int64_t* rows, int64_t count, int64_t shared,
+                                              int64_t h) {
+  if (G > TA_AMX_MAX_G)
+    return attend_task_ta_twin(q, k, v, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, ldq, H, G, D, P,
+                               scale, rows, count, shared, h);
+  ta_amx_configure(G);
+  const int status = attend_task_ta_amx(q, k, v, tables, max_pages, row_seq, first_page, kv_len, kv_lo, out, ldq, H, G,
+                                        D, P, scale, rows, count, shared, h);
+  ta_amx_release();
+  return status;
+}
+#endif
 
 /* One task for one kv head through FN, with the head size a constant where it is 64 or 128 (so the compiler
  * keeps the accumulators in registers). */
@@ -768,13 +801,21 @@ DEFINE_TASK(ta_twin, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_TWIN)
                    count, task_shared[t], h))
 DEFINE_ENTRY(paged_attend_f32, float, 0, status = CALL_TASK(attend_task_f32);)
 DEFINE_ENTRY(paged_attend_bf16, uint16_t, 0, status = CALL_TASK(attend_task_bf16);)
-/* bf16 in AMX's order (attention_tile.h): `variant` CB_DP_SCALAR (the reference) or CB_DP_TWIN. */
-DEFINE_ENTRY(paged_attend_bf16dp, uint16_t, (variant != CB_DP_SCALAR && variant != CB_DP_TWIN) || D % 32 || D > TA_MAX_D,
-             status = variant == CB_DP_TWIN ? CALL_TASK(attend_task_ta_twin) : CALL_TASK(attend_task_ta_scalar);)
+/* bf16 in AMX's order (attention_tile.h): `variant` CB_DP_SCALAR (the reference), CB_DP_TWIN or CB_DP_AMX (where
+ * ta_variant_runs). */
+#if CB_HAS_AMX_SOURCE
+#define TA_AMX_TASK(otherwise) (variant == CB_DP_AMX ? CALL_TASK(attend_task_ta_tiles) : (otherwise))
+#else
+#define TA_AMX_TASK(otherwise) (otherwise)
+#endif
+DEFINE_ENTRY(paged_attend_bf16dp, uint16_t, !ta_variant_runs(variant) || D % 32 || D > TA_MAX_D,
+             status = TA_AMX_TASK(variant == CB_DP_TWIN ? CALL_TASK(attend_task_ta_twin)
+                                                        : CALL_TASK(attend_task_ta_scalar));)
 
 int64_t paged_attend_max_gd(void) { return MAX_GD; }
 int64_t paged_attend_segment(void) { return SEG; }
 int64_t paged_attend_tile_max_d(void) { return TA_MAX_D; }
+int attend_dp_variant_runs(int variant) { return ta_variant_runs(variant); }
 
 /* pool [H_kv, NB * P, D] (contiguous); src [H_kv, T, D] with strides (head, token) in
  * elements and unit stride along D; slots [T] (cb_kv_write_params). Copies T * H_kv rows of D elements. */

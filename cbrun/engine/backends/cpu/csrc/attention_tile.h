@@ -26,6 +26,7 @@
 #ifndef CBRUN_ATTENTION_TILE_H
 #define CBRUN_ATTENTION_TILE_H
 
+#include "amx_state.h"
 #include "dp_pairs.h"
 #include "tile_order.h"
 
@@ -39,6 +40,11 @@ static inline float ta_round_weight(float p) {
   union { float f; uint32_t u; } c = {p};
   c.u = (c.u + 0x7FFFu + ((c.u >> 16) & 1u)) & 0xFFFF0000u;
   return c.f;
+}
+
+/* Whether this process runs a variant: the reference and the twin everywhere, the tiles where AMX-BF16 is granted. */
+static inline int ta_variant_runs(int variant) {
+  return variant == CB_DP_SCALAR || variant == CB_DP_TWIN || (variant == CB_DP_AMX && cb_amx_runs(CB_AMX_BF16));
 }
 
 /* ---- the plain-C reference ------------------------------------------------------------------------ */
@@ -287,5 +293,140 @@ static inline void attend_segment_ta_twin(const row_state* st, int64_t count, co
     ta_values_twin((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);
   dp_flush_restore(modes);
 }
+
+/* ---- AMX: tdpbf16ps itself ------------------------------------------------------------------------- *
+ * The scores as C [16 keys, G heads] = 16 key rows as they lie in the page (A, one 32-element block per
+ * instruction) x the row's query heads paired (B [16 pairs, G]); the values as C [G heads, 16 dims] = the block's
+ * weights (A [G, 32 keys], bf16) x 16 dims of the block's values with adjacent keys paired (B [16 pairs, 16 dims],
+ * repacked per block). Tile per tile the order is tile_order.h's; the multiply by the scale and the softmax run in
+ * vectors as in the twin. Groups of more than 16 query heads take the twin (the same bits). */
+#if CB_HAS_AMX_SOURCE
+#include <immintrin.h>
+#define TA_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define TA_AMX_MAX_G 16
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} ta_tile_config;
+
+/* tmm0 scores (C), tmm1 key rows (A), tmm2 query pairs (B); tmm3 value sums (C), tmm4 weights (A), tmm5 values (B). */
+TA_AMX_TARGET static void ta_amx_configure(int64_t G) {
+  ta_tile_config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  const uint8_t rows[6] = {16, 16, 16, (uint8_t)G, (uint8_t)G, 16};
+  const uint16_t colsb[6] = {(uint16_t)(G * 4), 64, (uint16_t)(G * 4), 64, 64, 64};
+  for (int t = 0; t < 6; ++t) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
+  _tile_loadconfig(&c);
+}
+
+TA_AMX_TARGET static void ta_amx_release(void) { _tile_release(); }
+
+/* qt [D / 2, 16]: pair p of head g's query (qb [G, D]) at qt[p * 16 + g]: B tiles of 16 pairs, 64 bytes a row. */
+static inline void ta_pair_queries(const uint16_t* qb, int64_t G, int64_t D, uint32_t* qt) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < D / 2; ++p) memcpy(qt + p * 16 + g, qb + g * D + 2 * p, sizeof(uint32_t));
+}
+
+/* The scores of G heads (qt) against the m <= 16 keys at `keys` (rows D apart) into s[g * SEG + j]. */
+TA_AMX_TARGET static void ta_score_keys_amx(const uint32_t* qt, int64_t G, const uint16_t* keys, int64_t m, int64_t D,
+                                            float scale, float* s) {
+  uint16_t padded[16 * TA_MAX_D] __attribute__((aligned(64)));
+  const uint16_t* a = keys;
+  if (m < 16) { /* 16 tile rows: the keys past m zero, not the pool's next rows */
+    memcpy(padded, keys, (size_t)(m * D) * sizeof(uint16_t));
+    memset(padded + m * D, 0, (size_t)((16 - m) * D) * sizeof(uint16_t));
+    a = padded;
+  }
+  _tile_zero(0);
+  for (int64_t b = 0; b < D / TO_BLOCK_K; ++b) {
+    _tile_loadd(1, a + TO_BLOCK_K * b, D * 2);
+    _tile_loadd(2, qt + b * TO_BLOCK_PAIRS * 16, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  float ct[16][16] __attribute__((aligned(64)));
+  _tile_stored(0, ct, 64);
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t g = 0; g < G; ++g) s[g * SEG + j] = dp_flush(ct[j][g] * scale);
+}
+
+/* ta_values_twin's sums on tiles: acc [G, D] in dim order. */
+TA_AMX_TARGET static void ta_values_amx(float* acc, const float* w, const uint16_t* v, const int64_t* table,
+                                        int64_t first, int64_t start, int64_t end, int64_t G, int64_t D, int64_t P) {
+  static const uint16_t zero_row[TA_MAX_D] __attribute__((aligned(64)));
+  const uint16_t* rows[TA_BLOCK_KEYS];
+  uint16_t wb[TA_AMX_MAX_G * TA_BLOCK_KEYS] __attribute__((aligned(64))); /* A: G rows of 32 bf16 weights */
+  uint32_t vb[TO_BLOCK_PAIRS * 16] __attribute__((aligned(64)));          /* B: 16 key pairs x 16 dims */
+  for (int64_t b = start / TA_BLOCK_KEYS * TA_BLOCK_KEYS; b < end; b += TA_BLOCK_KEYS) {
+    for (int64_t i = 0; i < TA_BLOCK_KEYS; ++i) {
+      const int64_t pos = b + i;
+      const int in = pos >= start && pos < end;
+      rows[i] = in ? v + pool_row(table, first, pos, P) * D : zero_row;
+      for (int64_t g = 0; g < G; ++g) {
+        union { float f; uint32_t u; } weight = {in ? w[g * SEG + pos - start] : 0.f};
+        wb[g * TA_BLOCK_KEYS + i] = (uint16_t)(weight.u >> 16); /* exact: the weights are rounded to bf16 */
+      }
+    }
+    _tile_loadd(4, wb, 64);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      for (int p = 0; p < TO_BLOCK_PAIRS; ++p)
+        for (int x = 0; x < 16; ++x)
+          vb[p * 16 + x] = (uint32_t)rows[2 * p][d0 + x] | (uint32_t)rows[2 * p + 1][d0 + x] << 16;
+      _tile_loadd(3, acc + d0, D * 4);
+      _tile_loadd(5, vb, 64);
+      _tile_dpbf16ps(3, 4, 5);
+      _tile_stored(3, acc + d0, D * 4);
+    }
+  }
+}
+
+/* attend_dp_scores and attend_dp_values on tiles (G <= TA_AMX_MAX_G): configured, computed, released. */
+TA_AMX_TARGET static void ta_scores_amx_entry(const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D,
+                                              float scale, float* out) {
+  uint32_t qt[TA_MAX_D / 2 * 16] __attribute__((aligned(64)));
+  float s[TA_AMX_MAX_G * SEG];
+  ta_amx_configure(G);
+  ta_pair_queries(q, G, D, qt);
+  const unsigned modes = dp_flush_on();
+  for (int64_t j = 0; j < n; j += 16) ta_score_keys_amx(qt, G, keys + j * D, n - j < 16 ? n - j : 16, D, scale, s + j);
+  dp_flush_restore(modes);
+  ta_amx_release();
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < n; ++j) out[g * n + j] = s[g * SEG + j];
+}
+
+TA_AMX_TARGET static void ta_values_amx_entry(float* out, const float* w, const uint16_t* values, const int64_t* table,
+                                              int64_t G, int64_t n, int64_t D) {
+  ta_amx_configure(G);
+  ta_values_amx(out, w, values, table, 0, 0, n, G, D, n);
+  ta_amx_release();
+}
+
+/* attend_segment_ta_twin's contract, on tiles (G <= TA_AMX_MAX_G; the task configured them). */
+TA_AMX_TARGET static inline void attend_segment_ta_amx(const row_state* st, int64_t count, const uint16_t* k,
+                                                       const uint16_t* v, const int64_t* table, int64_t first,
+                                                       int64_t start, int64_t n, int64_t G, int64_t D, int64_t P,
+                                                       float* scores) {
+  uint32_t qt[TA_MAX_D / 2 * 16] __attribute__((aligned(64)));
+  unsigned modes = dp_flush_on(); /* for the scale's multiply; the tiles flush whatever MXCSR holds */
+  for (int64_t i = 0; i < count; ++i) {
+    ta_pair_queries(st[i].qb, G, D, qt);
+    for (int64_t pos = start; pos < start + n;) {
+      const int64_t cnt = run_keys(table, first, pos, start + n, P);
+      const uint16_t* keys = k + pool_row(table, first, pos, P) * D;
+      for (int64_t j = 0; j < cnt; j += 16)
+        ta_score_keys_amx(qt, G, keys + j * D, cnt - j < 16 ? cnt - j : 16, D, st[i].scale,
+                          scores + i * G * SEG + (pos - start) + j);
+      pos += cnt;
+    }
+  }
+  dp_flush_restore(modes);
+  ta_softmax(st, count, scores, n, G, D / 8);
+  for (int64_t i = 0; i < count; ++i)
+    ta_values_amx((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);
+}
+#endif
 
 #endif

@@ -241,6 +241,7 @@ SIGNATURES = {
     "paged_attend_max_gd": (_I64, []),
     "paged_attend_segment": (_I64, []),
     "paged_attend_tile_max_d": (_I64, []),
+    "attend_dp_variant_runs": (_INT, [_INT]),
     "attend_dp_scores": (_INT, [_INT, _P, _P, _I64, _I64, _I64, _F32, _P]),
     "attend_dp_values": (_INT, [_INT, _P, _P, _I64, _I64, _I64, _P]),
     "paged_write": (None, [ctypes.POINTER(KvWriteParams)]),

@@ -49,7 +49,7 @@ from cbrun.engine.backends.cpu.kernels.abi import (
     unit_stride_rows,
 )
 from cbrun.engine.backends.cpu.kernels.int8 import Int8Kernels
-from cbrun.engine.backends.cpu.kernels.isa_variants import ATTENTION_VARIANTS, IsaVariants, dp_scores, dp_values
+from cbrun.engine.backends.cpu.kernels.isa_variants import IsaVariants, attention_variant_runs, dp_scores, dp_values
 from cbrun.engine.backends.cpu.kernels.lora import LoraKernels
 from cbrun.engine.backends.cpu.kernels.pair_dot import LINEAR_DTYPES, PairDotKernels
 from cbrun.engine.backends.cpu.kernels.sampling import SamplingCalls
@@ -170,7 +170,7 @@ class CpuKernels(SamplingCalls):
 
     def dp_attention_runs(self, variant: str) -> bool:
         """Whether this CPU runs a variant of the AMX-order attention (isa_variants.ATTENTION_VARIANTS)."""
-        return variant in ATTENTION_VARIANTS
+        return attention_variant_runs(self._lib, variant)
 
     def attend_dp_scores(self, variant: str, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
         """Scores [G, n] of q [G, D] against keys [n, D] by one variant of the AMX-order attention (isa_variants.py)."""

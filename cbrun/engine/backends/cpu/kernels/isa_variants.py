@@ -11,9 +11,9 @@ kernel call asks the CPU again.
 
 bf16 attention (head sizes of whole 32-element blocks) computes AMX's
 `tdpbf16ps` order for its scores and its value sums (attention.c,
-attention_tile.h), by a portable twin (vector FMAs under the CPU's flush
-modes) or the plain-C reference. The twin serves where it equals the
-reference on probes of both (typical values, products through denormals,
+attention_tile.h), by the tiles themselves (where AMX-BF16 is granted), a
+portable twin (vector FMAs under the CPU's flush modes) or the plain-C
+reference. The first of those that equals the reference on probes of both (typical values, products through denormals,
 denormal inputs, cancelling sums); so a CPU whose flush modes or FMAs do not
 behave as the twin expects falls back to the reference and still computes the
 same bits as every other CPU. The check takes a few milliseconds, so it runs
@@ -34,7 +34,7 @@ from cbrun.engine.backends.cpu.kernels.abi import VARIANTS, KernelError, check, 
 log = logging.getLogger("cbrun.engine")
 
 _RUNS = {"dp": "dp_variant_runs", "int8": "i8_variant_runs"}  # each family's "does this CPU run it" entry point
-ATTENTION_VARIANTS = ("twin", "scalar")  # bf16 attention in AMX's order, fastest first; "scalar" is the reference
+ATTENTION_VARIANTS = ("amx", "twin", "scalar")  # bf16 attention in AMX's order, fastest first; "scalar": the reference
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class IsaVariants:
     """What the load found: the variants of each family this CPU runs, and the one serving attention scores."""
 
     runs: dict[str, tuple[str, ...]]  # family -> the variants that run here, in kernel_abi.VARIANTS' order
-    attention: str  # the variant of bf16 attention in AMX's order: twin or scalar
+    attention: str  # the variant of bf16 attention in AMX's order: amx, twin or scalar
 
     def runnable(self, family: str, variant: str) -> bool:
         if variant not in VARIANTS[family]:
@@ -84,6 +84,11 @@ def dp_scores(library: ctypes.CDLL, variant: str, q: torch.Tensor, keys: torch.T
     return out
 
 
+def attention_variant_runs(library: ctypes.CDLL, variant: str) -> bool:
+    """Whether this process runs a variant of the AMX-order attention (the tiles: AMX-BF16 and Linux's grant)."""
+    return variant in ATTENTION_VARIANTS and bool(library.attend_dp_variant_runs(VARIANTS["dp"][variant]))
+
+
 def dp_values(library: ctypes.CDLL, variant: str, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Value sums [G, D] of values [n, D] (bf16) weighted by weights [G, n] (fp32, rounded to bf16 by the kernel),
     keys from position 0, by one variant of the AMX-order attention."""
@@ -105,7 +110,7 @@ class _LibraryScores:
         self.library = library
 
     def dp_attention_runs(self, variant: str) -> bool:
-        return variant in ATTENTION_VARIANTS
+        return attention_variant_runs(self.library, variant)
 
     def attend_dp_scores(self, variant: str, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
         return dp_scores(self.library, variant, q, keys, scale)
@@ -145,7 +150,7 @@ def probe_values(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def choose_attention_dp_variant(kernels: PairScores) -> str:
-    """The first of twin, scalar that runs here and gives the reference's bits on every probe of both halves."""
+    """The first of amx, twin, scalar that runs here and gives the reference's bits on every probe of both halves."""
     scores, values = probe_scores(), probe_values()
 
     def results(variant: str) -> list[torch.Tensor]:
