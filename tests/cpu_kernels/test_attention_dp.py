@@ -118,6 +118,24 @@ def test_each_variant_gives_the_references_bits(variant, dim):
         )
 
 
+@pytest.mark.parametrize("variant", ["twin", "amx"])
+def test_a_padded_tail_turns_a_negative_zero_sum_positive(variant):
+    """The one place a key-less pair shows: block 0 leaves C = 1.5 x 2^-126, block 1 adds -2^-125 and flushes C to
+    -0, block 2 holds two keys whose products flush to -0, so E = O = -0; its 14 padded pairs make E and O +0, as the
+    tiles' zero padding does, and C = -0 + (+0 + +0) = +0 (without them, -0)."""
+    if variant not in RUNS:
+        pytest.skip("no AMX-BF16 here (or Linux did not grant the tile state): the tiles' check waits for such a CPU")
+    weights = torch.ones(1, 66)
+    weights[0, 64:] = 0.5
+    values = torch.zeros(66, 64)
+    values[0], values[32], values[64:] = 1.5 * FLT_MIN, -2 * FLT_MIN, -FLT_MIN
+    values = values.to(torch.bfloat16)
+    expected = amx_order_model(weights.to(torch.bfloat16), values.t())
+    assert torch.equal(_bits(expected), torch.zeros(1, 64, dtype=torch.int32))  # +0, not -0
+    assert torch.equal(_bits(kernels.attend_dp_values("scalar", weights, values)), _bits(expected))
+    assert torch.equal(_bits(kernels.attend_dp_values(variant, weights, values)), _bits(expected))
+
+
 class _Disagreeing:
     """Kernels whose twin is off by one bit in one score or one value sum: the load check must not keep it."""
 
@@ -199,6 +217,36 @@ def test_attention_through_every_variant_is_one_result(case):
         weights = torch.softmax(q[r].float()[:, None, :] @ keys.transpose(1, 2) * dim**-0.5, dim=-1)
         expected = (weights @ values)[:, 0]
         assert torch.allclose(results["scalar"][r].float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-37])  # 1e-37: products and sums through the flush threshold, signed zeros
+def test_sliding_windows_give_every_variant_the_references_bits(scale):
+    """Windows start a row's keys anywhere in a 32-key value block (pairs before the first key, a pair with only its
+    odd key) and end anywhere: each variant equals the reference, here on tiny values too."""
+    torch.manual_seed(11)
+    heads, kv_heads, dim, page = 6, 2, 64, 16
+    lengths = list(range(1, 80, 3)) + [200, 257]
+    max_pages = (max(lengths) + page - 1) // page
+    blocks = len(lengths) * max_pages
+    k_pool = torch.randn(kv_heads, blocks, page, dim).bfloat16()
+    v_pool = (torch.randn(kv_heads, blocks, page, dim) * scale).bfloat16()
+    tables = torch.randperm(blocks).view(len(lengths), max_pages)
+    seqs = [SequenceRows(i, n - 1, 1, t.tolist(), 0) for i, (t, n) in enumerate(zip(tables, lengths))]
+    tasks = plan_tasks(seqs, page, kernels.segment, windowed=True)
+    kv_len = torch.tensor(lengths)
+    kv_lo = (kv_len - torch.tensor([1 + 7 * i % 45 for i in range(len(lengths))])).clamp(min=0)
+    rows = torch.arange(len(lengths))
+    args = (torch.randn(len(lengths), heads, dim).bfloat16(), k_pool, v_pool)
+    paged = PagedRows(tables, rows, torch.zeros(len(lengths), dtype=torch.long), kv_len, kv_lo)
+    outs = {}
+    try:
+        for variant in RUNS:
+            kernels.attend_dp_variant = variant
+            outs[variant] = kernels.attend(*args, paged, tasks, dim**-0.5)
+    finally:
+        kernels.attend_dp_variant = choose_attention_dp_variant(kernels)
+    for variant, out in outs.items():
+        assert torch.equal(out.view(torch.int16), outs["scalar"].view(torch.int16)), variant
 
 
 _AVX2_RUN = """

@@ -168,13 +168,16 @@ static inline __attribute__((always_inline)) void ta_score_keys_twin(const float
 }
 
 /* One block of 32 keys for hb heads: acc [hb, D] (paired chunks) += the block's values (rows[i], a zero row where
- * there is no key) weighted by w [hb, TA_BLOCK_KEYS] (zero where there is no key); flush modes on. */
+ * there is no key) weighted by w [hb, TA_BLOCK_KEYS] (zero where there is no key); flush modes on. Only the pairs
+ * [k0, k1) hold keys: a pair of no key adds fma(+0, +0, E) = E + 0 to each chain, nothing before the first key
+ * (the chains are +0 there) and, after the last, what one add of +0 does (a -0 becomes +0; it is idempotent). */
 static inline __attribute__((always_inline)) void ta_value_block_twin(float* acc, int hb, const float* w,
-                                                                     const uint16_t* const* rows, int64_t D) {
+                                                                     const uint16_t* const* rows, int64_t D, int k0,
+                                                                     int k1) {
   for (int64_t c0 = 0; c0 < D; c0 += 2 * VEC) {
     vNf ee[TA_HBV], eo[TA_HBV], oe[TA_HBV], oo[TA_HBV]; /* even keys x even dims, x odd dims; odd keys x ... */
     for (int g = 0; g < hb; ++g) ee[g] = eo[g] = oe[g] = oo[g] = splatN(0.f);
-    for (int k = 0; k < TO_BLOCK_PAIRS; ++k) {
+    for (int k = k0; k < k1; ++k) {
       const vNu even_key = *(const vNu_mem*)(rows[2 * k] + c0), odd_key = *(const vNu_mem*)(rows[2 * k + 1] + c0);
       vNf e_lo = twin_low(even_key), e_hi = twin_high(even_key), o_lo = twin_low(odd_key), o_hi = twin_high(odd_key);
       KEEP_IN_REGISTER_N(e_lo);
@@ -189,6 +192,11 @@ static inline __attribute__((always_inline)) void ta_value_block_twin(float* acc
         oo[g] += wo * o_hi;
       }
     }
+    if (k1 < TO_BLOCK_PAIRS)
+      for (int g = 0; g < hb; ++g) {
+        const vNf zero = splatN(0.f);
+        ee[g] = ee[g] + zero, eo[g] = eo[g] + zero, oe[g] = oe[g] + zero, oo[g] = oo[g] + zero;
+      }
     for (int g = 0; g < hb; ++g) {
       float* a = acc + g * D + c0;
       storeN_f32(a, loadN_f32(a) + (ee[g] + oe[g]));
@@ -211,13 +219,14 @@ static inline void ta_values_twin(float* acc, const float* w, const uint16_t* v,
       rows[i] = in ? v + pool_row(table, first, pos, P) * D : zero_row;
       for (int64_t g = 0; g < G; ++g) wb[g * TA_BLOCK_KEYS + i] = in ? w[g * SEG + pos - start] : 0.f;
     }
+    const int k0 = (int)((start > b ? start - b : 0) / 2), k1 = (int)((end - b < TA_BLOCK_KEYS ? end - b + 1 : 32) / 2);
     for (int64_t g0 = 0; g0 < G; g0 += TA_HBV) {
       const int64_t left = G - g0;
       float* a = acc + g0 * D;
       const float* wg = wb + g0 * TA_BLOCK_KEYS;
-      if (left >= TA_HBV) ta_value_block_twin(a, TA_HBV, wg, rows, D);
-      else if (left == 2) ta_value_block_twin(a, 2, wg, rows, D);
-      else ta_value_block_twin(a, 1, wg, rows, D);
+      if (left >= TA_HBV) ta_value_block_twin(a, TA_HBV, wg, rows, D, k0, k1);
+      else if (left == 2) ta_value_block_twin(a, 2, wg, rows, D, k0, k1);
+      else ta_value_block_twin(a, 1, wg, rows, D, k0, k1);
     }
   }
 }
