@@ -85,7 +85,7 @@ def gather(policy: str = "portable") -> dict:
             "built": True,
             "build": kernels.build_name,
             "linear_vector_lanes": kernels.vector_width,
-            "bf16_attention": kernels.attend_dp_variant,  # AMX's order (attention_tile.h): amx, twin or scalar
+            "bf16_attention": kernels.attend_dp_variant,  # AMX's order (attention_tile.h): amx, isa, twin or scalar
             "self_check_cache": str(cache_path()),
             "policy": policy,
         }
@@ -189,7 +189,9 @@ def info(
     print(
         f"kernels    {built['build']} ({built['linear_vector_lanes']}-lane linear), policy {built['policy']}", file=out
     )
-    attention = {"amx": "AMX tiles", "twin": "vector FMAs", "scalar": "the plain-C reference"}[built["bf16_attention"]]
+    attention = {"amx": "AMX tiles", "isa": "vdpbf16ps", "twin": "vector FMAs", "scalar": "the plain-C reference"}[
+        built["bf16_attention"]
+    ]
     print(
         f"{'':<11}bf16 attention: AMX's order on {attention} (checked at load; same bits on every CPU)",
         file=out,

@@ -26,7 +26,7 @@ def test_info_names_the_cpu_the_build_each_dtypes_method_and_what_auto_picks(cap
     assert set(info) >= {"versions", "cpu", "kernels", "linear_methods", "dtype_auto_cpu"}
     assert set(info["versions"]) >= {"cbrun", "torch", "transformers"}
     assert info["kernels"]["built"] and info["kernels"]["linear_vector_lanes"] in (8, 16)
-    assert info["kernels"]["bf16_attention"] in ("amx", "twin", "scalar")
+    assert info["kernels"]["bf16_attention"] in ("amx", "isa", "twin", "scalar")
     assert info["linear_methods"]["float32"]["method"] == "f32"
     bf16 = info["linear_methods"]["bfloat16"]
     assert bf16["method"] == ("dpbf16-isa" if has_bf16 else "dpbf16-twin") and bf16["same_bits_on_every_cpu"]

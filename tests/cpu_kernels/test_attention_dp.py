@@ -29,7 +29,7 @@ from cbrun.engine.backends.cpu.kernels.isa_variants import (
     probe_scores,
     probe_values,
 )
-from cbrun.engine.backends.cpu.kernels.loader import load_cpu_kernels
+from cbrun.engine.backends.cpu.kernels.loader import build_kernels, load_cpu_kernels
 from cbrun.engine.backends.metadata import PagedRows
 
 kernels = load_cpu_kernels()
@@ -77,11 +77,17 @@ def test_the_reference_is_the_amx_order(dim):
 RUNS = [variant for variant in ATTENTION_VARIANTS if kernels is not None and kernels.dp_attention_runs(variant)]
 
 
-@pytest.mark.parametrize("variant", ["twin", "amx"])
+WHY_NOT = {
+    "amx": "no AMX-BF16 here (or Linux did not grant the tile state): the tiles' check waits for such a CPU",
+    "isa": "no AVX512-BF16 here: vdpbf16ps waits for such a CPU (its re-pairing is checked in an emulating build)",
+}
+
+
+@pytest.mark.parametrize("variant", ["twin", "isa", "amx"])
 @pytest.mark.parametrize("dim", [32, 64, 128, 256])
 def test_each_variant_gives_the_references_bits(variant, dim):
     if variant not in RUNS:
-        pytest.skip("no AMX-BF16 here (or Linux did not grant the tile state): the tiles' check waits for such a CPU")
+        pytest.skip(WHY_NOT[variant])
     generator = torch.Generator().manual_seed(dim + 1)
     q = torch.randn(7, dim, generator=generator).to(torch.bfloat16)
     keys = torch.randn(128, dim, generator=generator).to(torch.bfloat16)
@@ -118,13 +124,13 @@ def test_each_variant_gives_the_references_bits(variant, dim):
         )
 
 
-@pytest.mark.parametrize("variant", ["twin", "amx"])
+@pytest.mark.parametrize("variant", ["twin", "isa", "amx"])
 def test_a_padded_tail_turns_a_negative_zero_sum_positive(variant):
     """The one place a key-less pair shows: block 0 leaves C = 1.5 x 2^-126, block 1 adds -2^-125 and flushes C to
     -0, block 2 holds two keys whose products flush to -0, so E = O = -0; its 14 padded pairs make E and O +0, as the
     tiles' zero padding does, and C = -0 + (+0 + +0) = +0 (without them, -0)."""
     if variant not in RUNS:
-        pytest.skip("no AMX-BF16 here (or Linux did not grant the tile state): the tiles' check waits for such a CPU")
+        pytest.skip(WHY_NOT[variant])
     weights = torch.ones(1, 66)
     weights[0, 64:] = 0.5
     values = torch.zeros(66, 64)
@@ -143,7 +149,7 @@ class _Disagreeing:
         self.real, self.part = real, part
 
     def dp_attention_runs(self, variant: str) -> bool:
-        return variant != "amx"  # the twin is the first candidate, whatever this CPU has
+        return variant == "twin"  # the one candidate, whatever this CPU has
 
     def attend_dp_scores(self, variant, q, keys, scale):
         out = self.real.attend_dp_scores(variant, q, keys, scale)
@@ -163,7 +169,7 @@ def test_the_load_check_skips_a_twin_that_differs_and_the_reference_serves(part)
     assert choose_attention_dp_variant(_Disagreeing(kernels, part)) == "scalar"
     assert choose_attention_dp_variant(_Disagreeing(kernels, "neither")) == "twin"
     if platform.machine() in ("x86_64", "AMD64"):  # vector FMAs under MXCSR FTZ|DAZ: the twin equals the reference
-        assert kernels.attend_dp_variant == ("amx" if "amx" in RUNS else "twin")
+        assert kernels.attend_dp_variant in RUNS and kernels.attend_dp_variant != "scalar"
 
 
 CASES = [(9, 3, 64, 16), (4, 1, 128, 32), (6, 2, 32, 8)]
@@ -219,12 +225,12 @@ def test_attention_through_every_variant_is_one_result(case):
         assert torch.allclose(results["scalar"][r].float(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("scale", [1.0, 1e-37])  # 1e-37: products and sums through the flush threshold, signed zeros
-def test_sliding_windows_give_every_variant_the_references_bits(scale):
-    """Windows start a row's keys anywhere in a 32-key value block (pairs before the first key, a pair with only its
-    odd key) and end anywhere: each variant equals the reference, here on tiny values too."""
+def _window_case(scale: float, page: int = 16) -> tuple:
+    """Decode rows of 1-257 keys whose sliding windows start and end anywhere in a 32-key value block (pairs before
+    the first key, a pair with only its odd key); values scaled by `scale` (1e-37: products and sums through the
+    flush threshold, signed zeros). Returns attend's arguments but the tasks and the scale."""
     torch.manual_seed(11)
-    heads, kv_heads, dim, page = 6, 2, 64, 16
+    heads, kv_heads, dim = 6, 2, 64
     lengths = list(range(1, 80, 3)) + [200, 257]
     max_pages = (max(lengths) + page - 1) // page
     blocks = len(lengths) * max_pages
@@ -232,21 +238,67 @@ def test_sliding_windows_give_every_variant_the_references_bits(scale):
     v_pool = (torch.randn(kv_heads, blocks, page, dim) * scale).bfloat16()
     tables = torch.randperm(blocks).view(len(lengths), max_pages)
     seqs = [SequenceRows(i, n - 1, 1, t.tolist(), 0) for i, (t, n) in enumerate(zip(tables, lengths))]
-    tasks = plan_tasks(seqs, page, kernels.segment, windowed=True)
     kv_len = torch.tensor(lengths)
     kv_lo = (kv_len - torch.tensor([1 + 7 * i % 45 for i in range(len(lengths))])).clamp(min=0)
     rows = torch.arange(len(lengths))
-    args = (torch.randn(len(lengths), heads, dim).bfloat16(), k_pool, v_pool)
     paged = PagedRows(tables, rows, torch.zeros(len(lengths), dtype=torch.long), kv_len, kv_lo)
-    outs = {}
+    return (torch.randn(len(lengths), heads, dim).bfloat16(), k_pool, v_pool, paged), seqs, page, dim
+
+
+def _through(kernels_, variants, scale) -> dict:
+    """The window case's attention through each variant of `kernels_` (its served variant restored after)."""
+    args, seqs, page, dim = _window_case(scale)
+    tasks = plan_tasks(seqs, page, kernels_.segment, windowed=True)
+    served, outs = kernels_.attend_dp_variant, {}
     try:
-        for variant in RUNS:
-            kernels.attend_dp_variant = variant
-            outs[variant] = kernels.attend(*args, paged, tasks, dim**-0.5)
+        for variant in variants:
+            kernels_.attend_dp_variant = variant
+            outs[variant] = kernels_.attend(*args, tasks, dim**-0.5)
     finally:
-        kernels.attend_dp_variant = choose_attention_dp_variant(kernels)
+        kernels_.attend_dp_variant = served
+    return outs
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-37])
+def test_sliding_windows_give_every_variant_the_references_bits(scale):
+    outs = _through(kernels, RUNS, scale)
     for variant, out in outs.items():
         assert torch.equal(out.view(torch.int16), outs["scalar"].view(torch.int16)), variant
+
+
+@pytest.fixture(scope="module")
+def emulating():
+    """Kernels built with -DCBRUN_TA_ISA_EMULATE at 8 and 16 lanes: the isa variant's re-pairing, with vdpbf16ps
+    computed by its definition (the pair's high products first) in portable FMAs, so it runs on any CPU."""
+    try:
+        return {width: build_kernels(("CBRUN_TA_ISA_EMULATE", f"CBRUN_VEC_WIDTH={width}")) for width in (8, 16)}
+    except Exception as exc:  # no compiler, or a failed build
+        pytest.skip(f"cannot build the CPU kernels here: {exc}")
+
+
+@pytest.mark.parametrize("width", [8, 16])
+def test_the_isa_variants_re_pairing_gives_the_references_bits(emulating, width):
+    """What a CPU with AVX512-BF16 runs, but for the instruction itself (which the load check compares there)."""
+    built = emulating[width]
+    assert built.dp_attention_runs("isa")
+    generator = torch.Generator().manual_seed(width)
+    for dim in (32, 64, 128, 256):
+        typical = (
+            torch.randn(7, dim, generator=generator).bfloat16(),
+            torch.randn(70, dim, generator=generator).bfloat16(),
+        )
+        for q, keys in [typical, (_edge_values((7, dim), generator), _edge_values((70, dim), generator))]:
+            for count in (1, 7, 8, 9, 16, 17, 70):
+                for heads in (1, 2, 3, 7):
+                    expected = built.attend_dp_scores("scalar", q[:heads], keys[:count], 0.125)
+                    got = built.attend_dp_scores("isa", q[:heads], keys[:count], 0.125)
+                    assert torch.equal(_bits(got), _bits(expected)), (dim, count, heads)
+    for scale in (1.0, 1e-37):
+        outs = _through(built, ("scalar", "isa"), scale)
+        assert torch.equal(outs["isa"].view(torch.int16), outs["scalar"].view(torch.int16))
+        assert torch.equal(
+            outs["scalar"].view(torch.int16), _through(kernels, ["scalar"], scale)["scalar"].view(torch.int16)
+        )
 
 
 _AVX2_RUN = """

@@ -459,9 +459,15 @@ int attend_dp_scores(int variant, const uint16_t* q, const uint16_t* keys, int64
       for (int64_t j = 0; j < n; ++j) out[g * n + j] = ta_score_scalar(q + g * D, keys + j * D, D, scale);
     return 0;
   }
-  float qw[HB * TA_MAX_D] __attribute__((aligned(64)));
   float s[HB * SEG];
   uint32_t kt[TA_MAX_D / 2 * VEC] __attribute__((aligned(64)));
+#if TA_HAS_ISA
+  if (variant == CB_DP_ISA) {
+    ta_scores_isa_entry(q, keys, G, n, D, scale, kt, s, out);
+    return 0;
+  }
+#endif
+  float qw[HB * TA_MAX_D] __attribute__((aligned(64)));
   for (int64_t g0 = 0; g0 < G; g0 += HB) {
     const int hb = G - g0 < HB ? (int)(G - g0) : HB;
     for (int64_t x = 0; x < hb * D; ++x) qw[x] = dp_bf16_to_f32(q[g0 * D + x]);
@@ -646,8 +652,9 @@ static char* task_scratch(size_t bytes) {
 /* One task for one kv head: its rows attend the shared keys [0, shared) together, a segment at a time
  * for a block of rows (each page piece read once per block), then each row its own keys
  * [max(lo, shared), hi). Every row goes through the same segments and arithmetic as it would alone. QF: whether
- * the scores read the scaled fp32 query (qf, and its head pairs); AMX's order scales the sums instead (qf the
- * query widened, unscaled; qb the bf16 query as it lies). UNPAIR puts a row's accumulators back in dim order. */
+ * the scores read the scaled fp32 query (1: qf, and its head pairs); AMX's order scales the sums instead (0: qf the
+ * query widened, unscaled; 2: qf holds the query re-paired for vdpbf16ps; qb the bf16 query as it lies). UNPAIR
+ * puts a row's accumulators back in dim order. */
 #define DEFINE_TASK(SUFFIX, T, LOADV, STORE, ATTR, QF, UNPAIR)                                                  \
   ATTR static int attend_task_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables,             \
                                   int64_t max_pages, const int64_t* row_seq, const int64_t* first_page,  \
@@ -673,10 +680,11 @@ static char* task_scratch(size_t bytes) {
       const T* qr = q + rows[i] * ldq + h * G * D;                                                       \
       v8f* qf = vectors + i * W;                                                                         \
       for (int64_t c = 0; c < G * C; ++c) {                                                              \
-        qf[c] = QF ? LOADV(qr + c * 8) * splat(scale) : LOADV(qr + c * 8);                              \
+        qf[c] = QF == 1 ? LOADV(qr + c * 8) * splat(scale) : LOADV(qr + c * 8);                         \
         qf[G * C + c] = splat(0.f);                                                                      \
       }                                                                                                  \
-      if (QF && ATTN_WIDE) /* the heads in pairs for score_pairs_* (the last one beside zeros where G is odd) */ \
+      if (QF == 2) ta_repair_queries((const uint16_t*)(const void*)qr, G, D, (uint32_t*)(void*)qf);      \
+      if (QF == 1 && ATTN_WIDE) /* the heads in pairs for score_pairs_* (the last one beside zeros where G is odd) */ \
         for (int64_t g = 0; g < G; g += 2)                                                               \
           for (int64_t c = 0; c < C; ++c) {                                                              \
             const v8f lower = qf[g * C + c], upper = g + 1 < G ? qf[(g + 1) * C + c] : splat(0.f);       \
@@ -768,6 +776,9 @@ DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR, 1, UNPAIR_WIDE)
 DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16, NO_ATTR, 1, UNPAIR_WIDE)
 DEFINE_TASK(ta_scalar, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_NONE)
 DEFINE_TASK(ta_twin, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_TWIN)
+#if TA_HAS_ISA
+DEFINE_TASK(ta_isa, uint16_t, load_bf16, store_bf16, TA_ISA_TARGET, 2, UNPAIR_TWIN)
+#endif
 #if CB_HAS_AMX_SOURCE
 DEFINE_TASK(ta_amx, uint16_t, load_bf16, store_bf16, TA_AMX_TARGET, 0, UNPAIR_NONE)
 
@@ -801,16 +812,21 @@ TA_AMX_TARGET static int attend_task_ta_tiles(const uint16_t* q, const uint16_t*
                    count, task_shared[t], h))
 DEFINE_ENTRY(paged_attend_f32, float, 0, status = CALL_TASK(attend_task_f32);)
 DEFINE_ENTRY(paged_attend_bf16, uint16_t, 0, status = CALL_TASK(attend_task_bf16);)
-/* bf16 in AMX's order (attention_tile.h): `variant` CB_DP_SCALAR (the reference), CB_DP_TWIN or CB_DP_AMX (where
- * ta_variant_runs). */
+/* bf16 in AMX's order (attention_tile.h): `variant` CB_DP_SCALAR (the reference), CB_DP_TWIN, CB_DP_ISA or
+ * CB_DP_AMX (where ta_variant_runs). */
 #if CB_HAS_AMX_SOURCE
 #define TA_AMX_TASK(otherwise) (variant == CB_DP_AMX ? CALL_TASK(attend_task_ta_tiles) : (otherwise))
 #else
 #define TA_AMX_TASK(otherwise) (otherwise)
 #endif
+#if TA_HAS_ISA
+#define TA_ISA_TASK(otherwise) (variant == CB_DP_ISA ? CALL_TASK(attend_task_ta_isa) : (otherwise))
+#else
+#define TA_ISA_TASK(otherwise) (otherwise)
+#endif
 DEFINE_ENTRY(paged_attend_bf16dp, uint16_t, !ta_variant_runs(variant) || D % 32 || D > TA_MAX_D,
-             status = TA_AMX_TASK(variant == CB_DP_TWIN ? CALL_TASK(attend_task_ta_twin)
-                                                        : CALL_TASK(attend_task_ta_scalar));)
+             status = TA_AMX_TASK(TA_ISA_TASK(variant == CB_DP_TWIN ? CALL_TASK(attend_task_ta_twin)
+                                                                    : CALL_TASK(attend_task_ta_scalar)));)
 
 int64_t paged_attend_max_gd(void) { return MAX_GD; }
 int64_t paged_attend_segment(void) { return SEG; }

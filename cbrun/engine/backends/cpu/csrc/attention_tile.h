@@ -42,9 +42,12 @@ static inline float ta_round_weight(float p) {
   return c.f;
 }
 
-/* Whether this process runs a variant: the reference and the twin everywhere, the tiles where AMX-BF16 is granted. */
+/* Whether this process runs a variant: the reference and the twin everywhere, vdpbf16ps where AVX512-BF16 (and VL)
+ * is there, the tiles where AMX-BF16 is granted. */
+static inline int ta_isa_runs(void);
 static inline int ta_variant_runs(int variant) {
-  return variant == CB_DP_SCALAR || variant == CB_DP_TWIN || (variant == CB_DP_AMX && cb_amx_runs(CB_AMX_BF16));
+  return variant == CB_DP_SCALAR || variant == CB_DP_TWIN || (variant == CB_DP_ISA && ta_isa_runs())
+         || (variant == CB_DP_AMX && cb_amx_runs(CB_AMX_BF16));
 }
 
 /* ---- the plain-C reference ------------------------------------------------------------------------ */
@@ -273,35 +276,144 @@ static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, 
     ta_values_scalar((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);
 }
 
-/* The same by the twin: each run's keys transposed VEC at a time, scored for every row and head of the task. */
-static inline void attend_segment_ta_twin(const row_state* st, int64_t count, const uint16_t* k, const uint16_t* v,
-                                          const int64_t* table, int64_t first, int64_t start, int64_t n, int64_t G,
-                                          int64_t D, int64_t P, float* scores) {
-  const int64_t C = D / 8;
-  uint32_t kt[TA_MAX_D / 2 * VEC] __attribute__((aligned(64)));
-  unsigned modes = dp_flush_on();
-  for (int64_t pos = start; pos < start + n;) {
-    const int64_t cnt = run_keys(table, first, pos, start + n, P);
-    const uint16_t* keys = k + pool_row(table, first, pos, P) * D;
-    prefetch_l2(v + pool_row(table, first, pos, P) * D, cnt * D * (int64_t)sizeof(uint16_t));
-    for (int64_t j = 0; j < cnt; j += VEC) {
-      const int64_t m = cnt - j < VEC ? cnt - j : VEC;
-      ta_transpose(keys + j * D, m, D, kt);
-      for (int64_t i = 0; i < count; ++i) {
-        float* s = scores + i * G * SEG + (pos - start) + j;
-        const float* qw = (const float*)(const void*)st[i].qf;
-        FOR_HEAD_BLOCKS(G, ta_score_keys_twin(qw + g0 * D, hb_, kt, D, st[i].scale, m, s + g0 * SEG))
+/* The vector variants' segment (the twin's scores, or the isa's): each run's keys transposed VEC at a time, scored
+ * for every row and head of the task by SCORE_KEYS; the values by the twin. */
+#define TA_VECTOR_SEGMENT(NAME, ATTR, SCORE_KEYS)                                                              \
+  ATTR static inline void NAME(const row_state* st, int64_t count, const uint16_t* k, const uint16_t* v,       \
+                               const int64_t* table, int64_t first, int64_t start, int64_t n, int64_t G,       \
+                               int64_t D, int64_t P, float* scores) {                                          \
+    const int64_t C = D / 8;                                                                                   \
+    uint32_t kt[TA_MAX_D / 2 * VEC] __attribute__((aligned(64)));                                             \
+    unsigned modes = dp_flush_on();                                                                            \
+    for (int64_t pos = start; pos < start + n;) {                                                              \
+      const int64_t cnt = run_keys(table, first, pos, start + n, P);                                           \
+      const uint16_t* keys = k + pool_row(table, first, pos, P) * D;                                           \
+      prefetch_l2(v + pool_row(table, first, pos, P) * D, cnt * D * (int64_t)sizeof(uint16_t));                \
+      for (int64_t j = 0; j < cnt; j += VEC) {                                                                 \
+        const int64_t m = cnt - j < VEC ? cnt - j : VEC;                                                       \
+        ta_transpose(keys + j * D, m, D, kt);                                                                  \
+        for (int64_t i = 0; i < count; ++i) {                                                                  \
+          float* s = scores + i * G * SEG + (pos - start) + j;                                                 \
+          const void* q = st[i].qf; /* the twin: the query widened; the isa: re-paired (DEFINE_TASK) */        \
+          FOR_HEAD_BLOCKS(G, SCORE_KEYS(q, g0, hb_, kt, D, st[i].scale, m, s + g0 * SEG))                      \
+        }                                                                                                      \
+      }                                                                                                        \
+      pos += cnt;                                                                                              \
+    }                                                                                                          \
+    dp_flush_restore(modes);                                                                                   \
+    ta_softmax(st, count, scores, n, G, C);                                                                    \
+    modes = dp_flush_on();                                                                                     \
+    for (int64_t i = 0; i < count; ++i)                                                                        \
+      ta_values_twin((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);    \
+    dp_flush_restore(modes);                                                                                   \
+  }
+
+#define TA_TWIN_KEYS(q, g0, hb, kt, D, scale, m, s) \
+  ta_score_keys_twin((const float*)(q) + (g0) * (D), hb, kt, D, scale, m, s)
+TA_VECTOR_SEGMENT(attend_segment_ta_twin, , TA_TWIN_KEYS)
+
+/* ---- isa: the scores on vdpbf16ps (AVX512-BF16) ------------------------------------------------------ *
+ * vdpbf16ps adds a pair to a lane as t = fma(a.hi, b.hi, acc), acc = fma(a.lo, b.lo, t) (dp_pairs.h), so it takes
+ * two steps of one chain at once where a dword holds element 2p in its high half and 2p + 2 in its low one: the
+ * E chain's pairs p, p + 1 as (2p | 2p + 2), the O chain's as (2p + 1 | 2p + 3), re-paired from two transposed
+ * pair vectors by shifts and masks, the query re-paired alike once per row (ta_repair_queries). 8 lanes use the
+ * instruction's ymm form (an AVX2 build on such a CPU). A build with -DCBRUN_TA_ISA_EMULATE computes the
+ * instruction by that definition in portable FMAs and lets "isa" run on any CPU: the tests' check of the
+ * re-pairing on CPUs without the instruction. The values are the twin's. */
+#if DP_HAS_ISA_SOURCE || defined(CBRUN_TA_ISA_EMULATE)
+#define TA_HAS_ISA 1
+#if defined(CBRUN_TA_ISA_EMULATE)
+#define TA_ISA_TARGET
+static inline int ta_isa_runs(void) { return 1; }
+static inline __attribute__((always_inline)) vNf ta_dp(vNf acc, vNu a, vNu b) {
+  return dp_pair_twin(acc, twin_high(a), twin_high(b), twin_low(a), twin_low(b)); /* high pair first */
+}
+#else
+#include <immintrin.h>
+#define TA_ISA_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16")))
+static inline int ta_isa_runs(void) {
+  __builtin_cpu_init();
+  return dp_isa_runs() && __builtin_cpu_supports("avx512vl");
+}
+#if VEC == 16
+TA_ISA_TARGET static inline __attribute__((always_inline)) vNf ta_dp(vNf acc, vNu a, vNu b) {
+  return (vNf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+}
+#else
+TA_ISA_TARGET static inline __attribute__((always_inline)) vNf ta_dp(vNf acc, vNu a, vNu b) {
+  return (vNf)_mm256_dpbf16_ps((__m256)acc, (__m256bh)a, (__m256bh)b);
+}
+#endif
+#endif
+
+/* qr [G, D / 2] of q [G, D]: per head, for each even pair p, (q[2p] << 16 | q[2p + 2]) then (q[2p + 1] << 16 |
+ * q[2p + 3]): the E and O operands of pairs p and p + 1. */
+static inline void ta_repair_queries(const uint16_t* q, int64_t G, int64_t D, uint32_t* qr) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < D / 2; p += 2) {
+      const uint16_t* e = q + g * D + 2 * p;
+      qr[g * D / 2 + p] = (uint32_t)e[0] << 16 | e[2];
+      qr[g * D / 2 + p + 1] = (uint32_t)e[1] << 16 | e[3];
+    }
+}
+
+/* ta_score_keys_twin's scores with two pairs of each chain per instruction; qr the heads' re-paired queries. */
+TA_ISA_TARGET static inline __attribute__((always_inline)) void ta_score_keys_isa(const uint32_t* qr, int hb,
+                                                                                 const uint32_t* kt, int64_t D,
+                                                                                 float scale, int64_t m, float* s) {
+  vNf c[HB];
+  for (int g = 0; g < hb; ++g) c[g] = splatN(0.f);
+  for (int64_t b = 0; b < D / 2; b += TO_BLOCK_PAIRS) {
+    vNf e[HB], o[HB];
+    for (int g = 0; g < hb; ++g) e[g] = o[g] = splatN(0.f);
+    for (int64_t p = b; p < b + TO_BLOCK_PAIRS; p += 2) {
+      const vNu first = *(const vNu*)(const void*)(kt + p * VEC), second = *(const vNu*)(const void*)(kt + (p + 1) * VEC);
+      vNu even = first << 16 | (second & 0xFFFFu), odd = (first & 0xFFFF0000u) | second >> 16;
+      KEEP_IN_REGISTER_N(even);
+      KEEP_IN_REGISTER_N(odd);
+      for (int g = 0; g < hb; ++g) {
+        const uint32_t qe = qr[g * D / 2 + p], qo = qr[g * D / 2 + p + 1];
+        e[g] = ta_dp(e[g], even, (vNu){0} + qe);
+        o[g] = ta_dp(o[g], odd, (vNu){0} + qo);
       }
     }
-    pos += cnt;
+    for (int g = 0; g < hb; ++g) c[g] = c[g] + (e[g] + o[g]);
   }
-  dp_flush_restore(modes);
-  ta_softmax(st, count, scores, n, G, C);
-  modes = dp_flush_on();
-  for (int64_t i = 0; i < count; ++i)
-    ta_values_twin((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);
-  dp_flush_restore(modes);
+  for (int g = 0; g < hb; ++g) {
+    float lanes[VEC] __attribute__((aligned(64)));
+    storeN_f32(lanes, c[g] * splatN(scale));
+    for (int64_t i = 0; i < m; ++i) s[g * SEG + i] = lanes[i];
+  }
 }
+
+/* attend_dp_scores by the isa: hb heads at a time, the keys transposed VEC at a time (kt, s: the caller's scratch). */
+TA_ISA_TARGET static void ta_scores_isa_entry(const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D,
+                                              float scale, uint32_t* kt, float* s, float* out) {
+  uint32_t qr[HB * TA_MAX_D / 2];
+  for (int64_t g0 = 0; g0 < G; g0 += HB) {
+    const int hb = G - g0 < HB ? (int)(G - g0) : HB;
+    ta_repair_queries(q + g0 * D, hb, D, qr);
+    const unsigned modes = dp_flush_on();
+    for (int64_t j = 0; j < n; j += VEC) {
+      const int64_t m = n - j < VEC ? n - j : VEC;
+      ta_transpose(keys + j * D, m, D, kt);
+      if (hb == 3) ta_score_keys_isa(qr, 3, kt, D, scale, m, s + j);
+      else if (hb == 2) ta_score_keys_isa(qr, 2, kt, D, scale, m, s + j);
+      else ta_score_keys_isa(qr, 1, kt, D, scale, m, s + j);
+    }
+    dp_flush_restore(modes);
+    for (int g = 0; g < hb; ++g)
+      for (int64_t j = 0; j < n; ++j) out[(g0 + g) * n + j] = s[g * SEG + j];
+  }
+}
+
+#define TA_ISA_KEYS(q, g0, hb, kt, D, scale, m, s) \
+  ta_score_keys_isa((const uint32_t*)(q) + (g0) * (D) / 2, hb, kt, D, scale, m, s)
+TA_VECTOR_SEGMENT(attend_segment_ta_isa, TA_ISA_TARGET, TA_ISA_KEYS)
+#else
+#define TA_HAS_ISA 0
+static inline int ta_isa_runs(void) { return 0; }
+#endif
 
 /* ---- AMX: tdpbf16ps itself ------------------------------------------------------------------------- *
  * The scores as C [16 keys, G heads] = 16 key rows as they lie in the page (A, one 32-element block per

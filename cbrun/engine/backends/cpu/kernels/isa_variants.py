@@ -11,19 +11,23 @@ kernel call asks the CPU again.
 
 bf16 attention (head sizes of whole 32-element blocks) computes AMX's
 `tdpbf16ps` order for its scores and its value sums (attention.c,
-attention_tile.h), by the tiles themselves (where AMX-BF16 is granted), a
-portable twin (vector FMAs under the CPU's flush modes) or the plain-C
-reference. The first of those that equals the reference on probes of both (typical values, products through denormals,
-denormal inputs, cancelling sums); so a CPU whose flush modes or FMAs do not
-behave as the twin expects falls back to the reference and still computes the
-same bits as every other CPU. The check takes a few milliseconds, so it runs
-at every load rather than being cached.
+attention_tile.h), by the tiles themselves (where AMX-BF16 is granted),
+`vdpbf16ps` on re-paired operands for the scores (AVX512-BF16), a portable
+twin (vector FMAs under the CPU's flush modes) or the plain-C reference. Of
+the variants that run here and equal the reference on probes of both halves
+(typical values, products through denormals, denormal inputs, cancelling sums,
+weights that round to ties), the fastest in a short timed trial serves; so a
+CPU whose flush modes or instructions do not behave as expected falls back to
+the reference and still computes the same bits as every other CPU. The check
+and the trial take milliseconds, so they run at every load rather than being
+cached.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +38,7 @@ from cbrun.engine.backends.cpu.kernels.abi import VARIANTS, KernelError, check, 
 log = logging.getLogger("cbrun.engine")
 
 _RUNS = {"dp": "dp_variant_runs", "int8": "i8_variant_runs"}  # each family's "does this CPU run it" entry point
-ATTENTION_VARIANTS = ("amx", "twin", "scalar")  # bf16 attention in AMX's order, fastest first; "scalar": the reference
+ATTENTION_VARIANTS = ("amx", "isa", "twin", "scalar")  # bf16 attention in AMX's order; "scalar": the reference
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class IsaVariants:
     """What the load found: the variants of each family this CPU runs, and the one serving attention scores."""
 
     runs: dict[str, tuple[str, ...]]  # family -> the variants that run here, in kernel_abi.VARIANTS' order
-    attention: str  # the variant of bf16 attention in AMX's order: amx, twin or scalar
+    attention: str  # the variant of bf16 attention in AMX's order: amx, isa, twin or scalar
 
     def runnable(self, family: str, variant: str) -> bool:
         if variant not in VARIANTS[family]:
@@ -149,8 +153,26 @@ def probe_values(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(weights, values), (weights * 1e-3, tiny), (torch.ones(3, 45), cancelling)]
 
 
+def _trial_seconds(kernels: PairScores, variant: str) -> float:
+    """Best of 3 times 10 calls of a variant's scores and value sums at a decode-like size (16 heads, 128 keys of
+    128 dims): the timed trial between variants that all give the reference's bits."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(16, 128, generator=generator).bfloat16()
+    keys = torch.randn(128, 128, generator=generator).bfloat16()
+    weights, values = torch.rand(16, 128, generator=generator), torch.randn(128, 128, generator=generator).bfloat16()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(10):
+            kernels.attend_dp_scores(variant, q, keys, 0.125)
+            kernels.attend_dp_values(variant, weights, values)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def choose_attention_dp_variant(kernels: PairScores) -> str:
-    """The first of amx, twin, scalar that runs here and gives the reference's bits on every probe of both halves."""
+    """Of amx, isa and twin, the fastest in a timed trial among those that run here and give the reference's bits on
+    every probe of both halves; the reference where none does."""
     scores, values = probe_scores(), probe_values()
 
     def results(variant: str) -> list[torch.Tensor]:
@@ -159,12 +181,16 @@ def choose_attention_dp_variant(kernels: PairScores) -> str:
         return [t.view(torch.int32) for t in got]
 
     reference = results("scalar")
-    for variant in ATTENTION_VARIANTS:
-        if variant == "scalar":
-            return variant
+    passed = []
+    for variant in ATTENTION_VARIANTS[:-1]:
         if not kernels.dp_attention_runs(variant):
             continue
         if all(torch.equal(a, b) for a, b in zip(results(variant), reference, strict=True)):
-            return variant
-        log.warning("bf16 attention: the %s variant differs from the reference on this CPU; not used", variant)
-    return "scalar"
+            passed.append(variant)
+        else:
+            log.warning("bf16 attention: the %s variant differs from the reference on this CPU; not used", variant)
+    if len(passed) > 1:
+        timings = {variant: _trial_seconds(kernels, variant) for variant in passed}
+        log.debug("bf16 attention trial: %s", ", ".join(f"{v} {1e3 * t:.2f} ms" for v, t in timings.items()))
+        return min(passed, key=timings.__getitem__)
+    return passed[0] if passed else "scalar"
