@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from amx_order import amx_order_model
 
 from cbrun.engine.backends.cpu.kernels.loader import build_kernels, load_cpu_kernels
 
@@ -46,13 +47,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_unblocked_reference_is_the_amx_order_model(unblocked):
-    from test_linear_methods import _amx_order_model
-
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 1536, generator=gen).to(torch.bfloat16)
     w = torch.randn(40, 1536, generator=gen).to(torch.bfloat16)
     got = unblocked.dp.linear(x, unblocked.dp.pack(w), 40, 1536, "scalar", out_dtype=torch.float32)
-    assert torch.equal(_bits(got), _bits(_amx_order_model(x, w)))
+    assert torch.equal(_bits(got), _bits(amx_order_model(x, w)))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
