@@ -459,29 +459,13 @@ int attend_dp_scores(int variant, const uint16_t* q, const uint16_t* keys, int64
       for (int64_t j = 0; j < n; ++j) out[g * n + j] = ta_score_scalar(q + g * D, keys + j * D, D, scale);
     return 0;
   }
-  float s[HB * SEG];
-  uint32_t kt[TA_MAX_D / 2 * VEC] __attribute__((aligned(64)));
 #if TA_HAS_ISA
   if (variant == CB_DP_ISA) {
-    ta_scores_isa_entry(q, keys, G, n, D, scale, kt, s, out);
+    ta_scores_isa_entry(q, keys, G, n, D, scale, out);
     return 0;
   }
 #endif
-  float qw[HB * TA_MAX_D] __attribute__((aligned(64)));
-  for (int64_t g0 = 0; g0 < G; g0 += HB) {
-    const int hb = G - g0 < HB ? (int)(G - g0) : HB;
-    for (int64_t x = 0; x < hb * D; ++x) qw[x] = dp_bf16_to_f32(q[g0 * D + x]);
-    const unsigned modes = dp_flush_on();
-    for (int64_t j = 0; j < n; j += VEC) {
-      ta_transpose(keys + j * D, n - j < VEC ? n - j : VEC, D, kt);
-      if (hb == 3) ta_score_keys_twin(qw, 3, kt, D, scale, n - j < VEC ? n - j : VEC, s + j);
-      else if (hb == 2) ta_score_keys_twin(qw, 2, kt, D, scale, n - j < VEC ? n - j : VEC, s + j);
-      else ta_score_keys_twin(qw, 1, kt, D, scale, n - j < VEC ? n - j : VEC, s + j);
-    }
-    dp_flush_restore(modes);
-    for (int g = 0; g < hb; ++g)
-      for (int64_t j = 0; j < n; ++j) out[(g0 + g) * n + j] = s[g * SEG + j];
-  }
+  ta_scores_twin_entry(q, keys, G, n, D, scale, out);
   return 0;
 }
 
@@ -769,7 +753,7 @@ static char* task_scratch(size_t bytes) {
     return failed ? CB_NO_MEMORY : CB_OK;                                                                \
   }
 
-#define UNPAIR_WIDE(acc, G, D) if (ATTN_WIDE && sizeof(*out) == 2 && (D) % 32 == 0) unpair_values(acc, G, D) /* PAIRED_VALUES */
+#define UNPAIR_WIDE(acc, G, D) if (PAIRED_VALUES(__typeof__(*out), D)) unpair_values(acc, G, D)
 #define UNPAIR_NONE(acc, G, D) ((void)(acc))
 #define UNPAIR_TWIN(acc, G, D) ta_unpair((float*)(void*)(acc), G, D)
 DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR, 1, UNPAIR_WIDE)

@@ -142,6 +142,16 @@ static inline void ta_transpose(const uint16_t* keys, int64_t m, int64_t D, uint
   }
 }
 
+/* The m lanes of hb heads' score sums c[g], scaled (flush modes on), into s[g * SEG + i]. */
+static inline __attribute__((always_inline)) void ta_store_scores(const vNf* c, int hb, float scale, int64_t m,
+                                                                 float* s) {
+  for (int g = 0; g < hb; ++g) {
+    float lanes[VEC] __attribute__((aligned(64)));
+    storeN_f32(lanes, c[g] * splatN(scale));
+    for (int64_t i = 0; i < m; ++i) s[g * SEG + i] = lanes[i];
+  }
+}
+
 /* The scores of hb heads (qw [hb, D], the query widened to fp32) against the m keys of kt, into s[g * SEG + i];
  * the caller holds the flush modes on. */
 static inline __attribute__((always_inline)) void ta_score_keys_twin(const float* qw, int hb, const uint32_t* kt,
@@ -163,11 +173,7 @@ static inline __attribute__((always_inline)) void ta_score_keys_twin(const float
     }
     for (int g = 0; g < hb; ++g) c[g] = c[g] + (e[g] + o[g]);
   }
-  for (int g = 0; g < hb; ++g) {
-    float lanes[VEC] __attribute__((aligned(64)));
-    storeN_f32(lanes, c[g] * splatN(scale));
-    for (int64_t i = 0; i < m; ++i) s[g * SEG + i] = lanes[i];
-  }
+  ta_store_scores(c, hb, scale, m, s);
 }
 
 /* One block of 32 keys for hb heads: acc [hb, D] (paired chunks) += the block's values (rows[i], a zero row where
@@ -308,9 +314,38 @@ static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, 
     dp_flush_restore(modes);                                                                                   \
   }
 
+/* attend_dp_scores by a vector variant (NAME): HB heads at a time, PREPARE(q, heads, D, buffer) laying their query
+ * out as SCORE_KEYS reads it, the keys transposed VEC at a time. */
+#define TA_SCORES_ENTRY(NAME, ATTR, PREPARE, SCORE_KEYS)                                                      \
+  ATTR static void NAME(const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D, float scale, \
+                        float* out) {                                                                         \
+    float prepared[HB * TA_MAX_D] __attribute__((aligned(64)));                                              \
+    float s[HB * SEG];                                                                                        \
+    uint32_t kt[TA_MAX_D / 2 * VEC] __attribute__((aligned(64)));                                            \
+    for (int64_t h0 = 0; h0 < G; h0 += HB) {                                                                  \
+      const int64_t heads = G - h0 < HB ? G - h0 : HB;                                                        \
+      PREPARE(q + h0 * D, heads, D, (void*)prepared);                                                         \
+      const unsigned modes = dp_flush_on();                                                                   \
+      for (int64_t j = 0; j < n; j += VEC) {                                                                  \
+        const int64_t m = n - j < VEC ? n - j : VEC;                                                          \
+        ta_transpose(keys + j * D, m, D, kt);                                                                 \
+        FOR_HEAD_BLOCKS(heads, SCORE_KEYS(prepared, g0, hb_, kt, D, scale, m, s + j + g0 * SEG))               \
+      }                                                                                                       \
+      dp_flush_restore(modes);                                                                                \
+      for (int64_t g = 0; g < heads; ++g)                                                                     \
+        for (int64_t j = 0; j < n; ++j) out[(h0 + g) * n + j] = s[g * SEG + j];                               \
+    }                                                                                                         \
+  }
+
+/* q [heads, D] widened to fp32: the twin's query. */
+static inline void ta_widen_queries(const uint16_t* q, int64_t heads, int64_t D, float* qw) {
+  for (int64_t x = 0; x < heads * D; ++x) qw[x] = dp_bf16_to_f32(q[x]);
+}
+
 #define TA_TWIN_KEYS(q, g0, hb, kt, D, scale, m, s) \
   ta_score_keys_twin((const float*)(q) + (g0) * (D), hb, kt, D, scale, m, s)
 TA_VECTOR_SEGMENT(attend_segment_ta_twin, , TA_TWIN_KEYS)
+TA_SCORES_ENTRY(ta_scores_twin_entry, , ta_widen_queries, TA_TWIN_KEYS)
 
 /* ---- isa: the scores on vdpbf16ps (AVX512-BF16) ------------------------------------------------------ *
  * vdpbf16ps adds a pair to a lane as t = fma(a.hi, b.hi, acc), acc = fma(a.lo, b.lo, t) (dp_pairs.h), so it takes
@@ -379,37 +414,13 @@ TA_ISA_TARGET static inline __attribute__((always_inline)) void ta_score_keys_is
     }
     for (int g = 0; g < hb; ++g) c[g] = c[g] + (e[g] + o[g]);
   }
-  for (int g = 0; g < hb; ++g) {
-    float lanes[VEC] __attribute__((aligned(64)));
-    storeN_f32(lanes, c[g] * splatN(scale));
-    for (int64_t i = 0; i < m; ++i) s[g * SEG + i] = lanes[i];
-  }
-}
-
-/* attend_dp_scores by the isa: hb heads at a time, the keys transposed VEC at a time (kt, s: the caller's scratch). */
-TA_ISA_TARGET static void ta_scores_isa_entry(const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D,
-                                              float scale, uint32_t* kt, float* s, float* out) {
-  uint32_t qr[HB * TA_MAX_D / 2];
-  for (int64_t g0 = 0; g0 < G; g0 += HB) {
-    const int hb = G - g0 < HB ? (int)(G - g0) : HB;
-    ta_repair_queries(q + g0 * D, hb, D, qr);
-    const unsigned modes = dp_flush_on();
-    for (int64_t j = 0; j < n; j += VEC) {
-      const int64_t m = n - j < VEC ? n - j : VEC;
-      ta_transpose(keys + j * D, m, D, kt);
-      if (hb == 3) ta_score_keys_isa(qr, 3, kt, D, scale, m, s + j);
-      else if (hb == 2) ta_score_keys_isa(qr, 2, kt, D, scale, m, s + j);
-      else ta_score_keys_isa(qr, 1, kt, D, scale, m, s + j);
-    }
-    dp_flush_restore(modes);
-    for (int g = 0; g < hb; ++g)
-      for (int64_t j = 0; j < n; ++j) out[(g0 + g) * n + j] = s[g * SEG + j];
-  }
+  ta_store_scores(c, hb, scale, m, s);
 }
 
 #define TA_ISA_KEYS(q, g0, hb, kt, D, scale, m, s) \
   ta_score_keys_isa((const uint32_t*)(q) + (g0) * (D) / 2, hb, kt, D, scale, m, s)
 TA_VECTOR_SEGMENT(attend_segment_ta_isa, TA_ISA_TARGET, TA_ISA_KEYS)
+TA_SCORES_ENTRY(ta_scores_isa_entry, TA_ISA_TARGET, ta_repair_queries, TA_ISA_KEYS)
 #else
 #define TA_HAS_ISA 0
 static inline int ta_isa_runs(void) { return 0; }
