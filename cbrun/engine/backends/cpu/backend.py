@@ -92,7 +92,7 @@ class CpuBackend(KernelBackend):
         self.fused_layers: list[LayerPlan] = []
         self.held: HeldWeights | None = None  # the weights the layer methods hold, while installed
         self.method_choices: list[MethodChoice] = []
-        self.attention_brief = ""  # "attention: AMX's order on twin (...)" where bf16 attention takes AMX's order
+        self.attention_brief = ""  # "attention AMX's order on twin (...)" where bf16 attention takes AMX's order
 
     def install(self, model: CausalLM, spec: ModelSpec) -> None:
         """Choose a linear method per weight dtype (after its self-check), give Llama-shaped decoder layers the

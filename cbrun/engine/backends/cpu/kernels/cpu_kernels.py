@@ -130,8 +130,8 @@ class CpuKernels(SamplingCalls):
             raise KernelError("attend: index tensors must be contiguous int64")
         task_rows, task_start, task_shared = tasks
         out = q.new_empty(rows, heads, dim)
-        pair_dots = self.tile_order(q.dtype, dim)
-        function = self._lib.paged_attend_bf16dp if pair_dots else self.attend_functions[q.dtype]
+        amx_order = self.tile_order(q.dtype, dim)
+        function = self._lib.paged_attend_bf16dp if amx_order else self.attend_functions[q.dtype]
         params = AttendParams(
             q=ptr(q),
             k=ptr(k_pool),
@@ -156,7 +156,7 @@ class CpuKernels(SamplingCalls):
             tasks=task_shared.numel(),
             ldq=ldq,
             scale=scale,
-            variant=VARIANTS["dp"][self.attend_dp_variant] if pair_dots else 0,
+            variant=VARIANTS["dp"][self.attend_dp_variant] if amx_order else 0,
             threads=threads(),
         )
         status = function(ctypes.byref(params))
