@@ -129,18 +129,42 @@ static inline void ta_transpose_block(vNu* r) {
 #endif
 }
 
-/* kt [D / 2, VEC]: pair p of key i (rows D apart, m <= VEC of them) at kt[p * VEC + i], zero pairs past key m. */
-static inline void ta_transpose(const uint16_t* keys, int64_t m, int64_t D, uint32_t* kt) {
+/* A key chunk's 16-bit halves permuted per 4 elements k .. k + 3 to (k + 2, k, k + 3, k + 1): its words become
+ * the isa's re-paired operands (element 2p high with 2p + 2 low, then 2p + 1 with 2p + 3), so the transpose
+ * after it delivers them ready for vdpbf16ps: one byte shuffle per chunk where the re-pairing of the transposed
+ * pairs took six shifts and masks per two pairs for every VEC keys. */
+typedef uint16_t ta_halves __attribute__((vector_size(VEC * 4)));
+#if VEC == 16
+#define TA_REPAIR_ORDER                                                                                         \
+  2, 0, 3, 1, 6, 4, 7, 5, 10, 8, 11, 9, 14, 12, 15, 13, 18, 16, 19, 17, 22, 20, 23, 21, 26, 24, 27, 25, 30, 28, \
+      31, 29
+#else
+#define TA_REPAIR_ORDER 2, 0, 3, 1, 6, 4, 7, 5, 10, 8, 11, 9, 14, 12, 15, 13
+#endif
+#if defined(__clang__)
+#define TA_REPAIR_HALVES(v) ((vNu)__builtin_shufflevector((ta_halves)(v), (ta_halves)(v), TA_REPAIR_ORDER))
+#else
+#define TA_REPAIR_HALVES(v) ((vNu)__builtin_shuffle((ta_halves)(v), (ta_halves){TA_REPAIR_ORDER}))
+#endif
+
+/* kt [D / 2, VEC]: pair p of key i (rows D apart, m <= VEC of them) at kt[p * VEC + i], zero pairs past key m;
+ * with `repaired`, the isa's words in place of the pairs (TA_REPAIR_HALVES). Inlined into each variant's
+ * functions, so the shuffle compiles for the variant's instructions. */
+static inline __attribute__((always_inline)) void ta_transpose_keys(const uint16_t* keys, int64_t m, int64_t D,
+                                                                   uint32_t* kt, int repaired) {
   for (int64_t p0 = 0; p0 < D / 2; p0 += VEC) {
     vNu r[VEC];
     for (int i = 0; i < VEC; ++i) {
       if (i < m) r[i] = *(const vNu_mem*)(keys + i * D + 2 * p0);
       else r[i] = (vNu){0};
+      if (repaired) r[i] = TA_REPAIR_HALVES(r[i]);
     }
     ta_transpose_block(r);
     for (int x = 0; x < VEC; ++x) *(vNu*)(void*)(kt + (p0 + x) * VEC) = r[x];
   }
 }
+#define TA_PAIRS 0    /* ta_transpose_keys: the twin's pairs */
+#define TA_REPAIRED 1 /* the isa's re-paired words */
 
 /* The m lanes of hb heads' score sums c[g], scaled (flush modes on), into s[g * SEG + i]. */
 static inline __attribute__((always_inline)) void ta_store_scores(const vNf* c, int hb, float scale, int64_t m,
@@ -284,7 +308,7 @@ static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, 
 
 /* The vector variants' segment (the twin's scores, or the isa's): each run's keys transposed VEC at a time, scored
  * for every row and head of the task by SCORE_KEYS; the values by the twin. */
-#define TA_VECTOR_SEGMENT(NAME, ATTR, SCORE_KEYS)                                                              \
+#define TA_VECTOR_SEGMENT(NAME, ATTR, SCORE_KEYS, KEYS_AS)                                                     \
   ATTR static inline void NAME(const row_state* st, int64_t count, const uint16_t* k, const uint16_t* v,       \
                                const int64_t* table, int64_t first, int64_t start, int64_t n, int64_t G,       \
                                int64_t D, int64_t P, float* scores) {                                          \
@@ -297,7 +321,7 @@ static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, 
       prefetch_l2(v + pool_row(table, first, pos, P) * D, cnt * D * (int64_t)sizeof(uint16_t));                \
       for (int64_t j = 0; j < cnt; j += VEC) {                                                                 \
         const int64_t m = cnt - j < VEC ? cnt - j : VEC;                                                       \
-        ta_transpose(keys + j * D, m, D, kt);                                                                  \
+        ta_transpose_keys(keys + j * D, m, D, kt, KEYS_AS);                                                    \
         for (int64_t i = 0; i < count; ++i) {                                                                  \
           float* s = scores + i * G * SEG + (pos - start) + j;                                                 \
           const void* q = st[i].qf; /* the twin: the query widened; the isa: re-paired (DEFINE_TASK) */        \
@@ -316,7 +340,7 @@ static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, 
 
 /* attend_dp_scores by a vector variant (NAME): HB heads at a time, PREPARE(q, heads, D, buffer) laying their query
  * out as SCORE_KEYS reads it, the keys transposed VEC at a time. */
-#define TA_SCORES_ENTRY(NAME, ATTR, PREPARE, SCORE_KEYS)                                                      \
+#define TA_SCORES_ENTRY(NAME, ATTR, PREPARE, SCORE_KEYS, KEYS_AS)                                             \
   ATTR static void NAME(const uint16_t* q, const uint16_t* keys, int64_t G, int64_t n, int64_t D, float scale, \
                         float* out) {                                                                         \
     float prepared[HB * TA_MAX_D] __attribute__((aligned(64)));                                              \
@@ -328,7 +352,7 @@ static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, 
       const unsigned modes = dp_flush_on();                                                                   \
       for (int64_t j = 0; j < n; j += VEC) {                                                                  \
         const int64_t m = n - j < VEC ? n - j : VEC;                                                          \
-        ta_transpose(keys + j * D, m, D, kt);                                                                 \
+        ta_transpose_keys(keys + j * D, m, D, kt, KEYS_AS);                                                   \
         FOR_HEAD_BLOCKS(heads, SCORE_KEYS(prepared, g0, hb_, kt, D, scale, m, s + j + g0 * SEG))               \
       }                                                                                                       \
       dp_flush_restore(modes);                                                                                \
@@ -344,14 +368,14 @@ static inline void ta_widen_queries(const uint16_t* q, int64_t heads, int64_t D,
 
 #define TA_TWIN_KEYS(q, g0, hb, kt, D, scale, m, s) \
   ta_score_keys_twin((const float*)(q) + (g0) * (D), hb, kt, D, scale, m, s)
-TA_VECTOR_SEGMENT(attend_segment_ta_twin, , TA_TWIN_KEYS)
-TA_SCORES_ENTRY(ta_scores_twin_entry, , ta_widen_queries, TA_TWIN_KEYS)
+TA_VECTOR_SEGMENT(attend_segment_ta_twin, , TA_TWIN_KEYS, TA_PAIRS)
+TA_SCORES_ENTRY(ta_scores_twin_entry, , ta_widen_queries, TA_TWIN_KEYS, TA_PAIRS)
 
 /* ---- isa: the scores on vdpbf16ps (AVX512-BF16) ------------------------------------------------------ *
  * vdpbf16ps adds a pair to a lane as t = fma(a.hi, b.hi, acc), acc = fma(a.lo, b.lo, t) (dp_pairs.h), so it takes
  * two steps of one chain at once where a dword holds element 2p in its high half and 2p + 2 in its low one: the
- * E chain's pairs p, p + 1 as (2p | 2p + 2), the O chain's as (2p + 1 | 2p + 3), re-paired from two transposed
- * pair vectors by shifts and masks, the query re-paired alike once per row (ta_repair_queries). 8 lanes use the
+ * E chain's pairs p, p + 1 as (2p | 2p + 2), the O chain's as (2p + 1 | 2p + 3): the keys' words so permuted
+ * before their transpose (TA_REPAIRED), the query re-paired alike once per row (ta_repair_queries). 8 lanes use the
  * instruction's ymm form (an AVX2 build on such a CPU). A build with -DCBRUN_TA_ISA_EMULATE computes the
  * instruction by that definition in portable FMAs and lets "isa" run on any CPU: the tests' check of the
  * re-pairing on CPUs without the instruction. The values are the twin's. */
@@ -402,8 +426,7 @@ TA_ISA_TARGET static inline __attribute__((always_inline)) void ta_score_keys_is
     vNf e[HB], o[HB];
     for (int g = 0; g < hb; ++g) e[g] = o[g] = splatN(0.f);
     for (int64_t p = b; p < b + TO_BLOCK_PAIRS; p += 2) {
-      const vNu first = *(const vNu*)(const void*)(kt + p * VEC), second = *(const vNu*)(const void*)(kt + (p + 1) * VEC);
-      vNu even = first << 16 | (second & 0xFFFFu), odd = (first & 0xFFFF0000u) | second >> 16;
+      vNu even = *(const vNu*)(const void*)(kt + p * VEC), odd = *(const vNu*)(const void*)(kt + (p + 1) * VEC);
       KEEP_IN_REGISTER_N(even);
       KEEP_IN_REGISTER_N(odd);
       for (int g = 0; g < hb; ++g) {
@@ -419,8 +442,8 @@ TA_ISA_TARGET static inline __attribute__((always_inline)) void ta_score_keys_is
 
 #define TA_ISA_KEYS(q, g0, hb, kt, D, scale, m, s) \
   ta_score_keys_isa((const uint32_t*)(q) + (g0) * (D) / 2, hb, kt, D, scale, m, s)
-TA_VECTOR_SEGMENT(attend_segment_ta_isa, TA_ISA_TARGET, TA_ISA_KEYS)
-TA_SCORES_ENTRY(ta_scores_isa_entry, TA_ISA_TARGET, ta_repair_queries, TA_ISA_KEYS)
+TA_VECTOR_SEGMENT(attend_segment_ta_isa, TA_ISA_TARGET, TA_ISA_KEYS, TA_REPAIRED)
+TA_SCORES_ENTRY(ta_scores_isa_entry, TA_ISA_TARGET, ta_repair_queries, TA_ISA_KEYS, TA_REPAIRED)
 #else
 #define TA_HAS_ISA 0
 static inline int ta_isa_runs(void) { return 0; }

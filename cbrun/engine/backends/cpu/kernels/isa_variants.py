@@ -153,20 +153,26 @@ def probe_values(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(weights, values), (weights * 1e-3, tiny), (torch.ones(3, 45), cancelling)]
 
 
-def _trial_seconds(kernels: PairScores, variant: str) -> float:
-    """Best of 3 times 10 calls of a variant's scores and value sums at a decode-like size (16 heads, 128 keys of
-    128 dims): the timed trial between variants that all give the reference's bits."""
+def _trial_seconds(kernels: PairScores, variants: list[str], rounds: int = 5) -> dict[str, float]:
+    """Each variant's best time of 10 calls of its scores and value sums at a decode-like size (16 heads, 128 keys
+    of 128 dims), the variants taking turns for `rounds` rounds after one warm-up call each: the timed trial
+    between variants that all give the reference's bits. Turns, not one variant's rounds after another's, so a
+    slow spell of the machine (the load's other work, a neighbour) falls on every variant alike."""
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(16, 128, generator=generator).bfloat16()
     keys = torch.randn(128, 128, generator=generator).bfloat16()
     weights, values = torch.rand(16, 128, generator=generator), torch.randn(128, 128, generator=generator).bfloat16()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(10):
-            kernels.attend_dp_scores(variant, q, keys, 0.125)
-            kernels.attend_dp_values(variant, weights, values)
-        best = min(best, time.perf_counter() - start)
+    for variant in variants:
+        kernels.attend_dp_scores(variant, q, keys, 0.125)
+        kernels.attend_dp_values(variant, weights, values)
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(rounds):
+        for variant in variants:
+            start = time.perf_counter()
+            for _ in range(10):
+                kernels.attend_dp_scores(variant, q, keys, 0.125)
+                kernels.attend_dp_values(variant, weights, values)
+            best[variant] = min(best[variant], time.perf_counter() - start)
     return best
 
 
@@ -190,7 +196,7 @@ def choose_attention_dp_variant(kernels: PairScores) -> str:
         else:
             log.warning("bf16 attention: the %s variant differs from the reference on this CPU; not used", variant)
     if len(passed) > 1:
-        timings = {variant: _trial_seconds(kernels, variant) for variant in passed}
+        timings = _trial_seconds(kernels, passed)
         log.debug("bf16 attention trial: %s", ", ".join(f"{v} {1e3 * t:.2f} ms" for v, t in timings.items()))
         return min(passed, key=timings.__getitem__)
     return passed[0] if passed else "scalar"
