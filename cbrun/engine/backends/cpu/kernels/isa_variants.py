@@ -162,17 +162,20 @@ def _trial_seconds(kernels: PairScores, variants: list[str], rounds: int = 5) ->
     q = torch.randn(16, 128, generator=generator).bfloat16()
     keys = torch.randn(128, 128, generator=generator).bfloat16()
     weights, values = torch.rand(16, 128, generator=generator), torch.randn(128, 128, generator=generator).bfloat16()
+
+    def seconds(variant: str, calls: int) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            kernels.attend_dp_scores(variant, q, keys, 0.125)
+            kernels.attend_dp_values(variant, weights, values)
+        return time.perf_counter() - start
+
     for variant in variants:
-        kernels.attend_dp_scores(variant, q, keys, 0.125)
-        kernels.attend_dp_values(variant, weights, values)
+        seconds(variant, 1)  # warm-up
     best = dict.fromkeys(variants, float("inf"))
     for _ in range(rounds):
         for variant in variants:
-            start = time.perf_counter()
-            for _ in range(10):
-                kernels.attend_dp_scores(variant, q, keys, 0.125)
-                kernels.attend_dp_values(variant, weights, values)
-            best[variant] = min(best[variant], time.perf_counter() - start)
+            best[variant] = min(best[variant], seconds(variant, 10))
     return best
 
 
