@@ -492,6 +492,14 @@ int attend_dp_values(int variant, const float* w, const uint16_t* values, int64_
   }
 #endif
   const unsigned modes = dp_flush_on();
+#if TA_HAS_ISA
+  if (variant == CB_DP_ISA) {
+    ta_values_isa(out, rounded, values, table, 0, 0, n, G, D, n);
+    dp_flush_restore(modes);
+    ta_unpair_isa(out, G, D);
+    return 0;
+  }
+#endif
   ta_values_twin(out, rounded, values, table, 0, 0, n, G, D, n);
   dp_flush_restore(modes);
   ta_unpair(out, G, D);
@@ -756,12 +764,13 @@ static char* task_scratch(size_t bytes) {
 #define UNPAIR_WIDE(acc, G, D) if (PAIRED_VALUES(__typeof__(*out), D)) unpair_values(acc, G, D)
 #define UNPAIR_NONE(acc, G, D) ((void)(acc))
 #define UNPAIR_TWIN(acc, G, D) ta_unpair((float*)(void*)(acc), G, D)
+#define UNPAIR_ISA(acc, G, D) ta_unpair_isa((float*)(void*)(acc), G, D)
 DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR, 1, UNPAIR_WIDE)
 DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16, NO_ATTR, 1, UNPAIR_WIDE)
 DEFINE_TASK(ta_scalar, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_NONE)
 DEFINE_TASK(ta_twin, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_TWIN)
 #if TA_HAS_ISA
-DEFINE_TASK(ta_isa, uint16_t, load_bf16, store_bf16, TA_ISA_TARGET, 2, UNPAIR_TWIN)
+DEFINE_TASK(ta_isa, uint16_t, load_bf16, store_bf16, TA_ISA_TARGET, 2, UNPAIR_ISA)
 #endif
 #if CB_HAS_AMX_SOURCE
 DEFINE_TASK(ta_amx, uint16_t, load_bf16, store_bf16, TA_AMX_TARGET, 0, UNPAIR_NONE)

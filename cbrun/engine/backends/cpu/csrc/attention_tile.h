@@ -170,6 +170,10 @@ static inline __attribute__((always_inline)) void ta_transpose_keys(const uint16
 static inline __attribute__((always_inline)) void ta_store_scores(const vNf* c, int hb, float scale, int64_t m,
                                                                  float* s) {
   for (int g = 0; g < hb; ++g) {
+    if (m == VEC) { /* a whole vector straight to s (a partial one by lanes: the compiler made that a rep movs) */
+      storeN_f32(s + g * SEG, c[g] * splatN(scale));
+      continue;
+    }
     float lanes[VEC] __attribute__((aligned(64)));
     storeN_f32(lanes, c[g] * splatN(scale));
     for (int64_t i = 0; i < m; ++i) s[g * SEG + i] = lanes[i];
@@ -306,9 +310,9 @@ static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, 
     ta_values_scalar((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);
 }
 
-/* The vector variants' segment (the twin's scores, or the isa's): each run's keys transposed VEC at a time, scored
- * for every row and head of the task by SCORE_KEYS; the values by the twin. */
-#define TA_VECTOR_SEGMENT(NAME, ATTR, SCORE_KEYS, KEYS_AS)                                                     \
+/* The vector variants' segment (the twin's, or the isa's): each run's keys transposed VEC at a time, scored for
+ * every row and head of the task by SCORE_KEYS; the values by VALUES (ta_values_twin's contract). */
+#define TA_VECTOR_SEGMENT(NAME, ATTR, SCORE_KEYS, KEYS_AS, VALUES)                                                     \
   ATTR static inline void NAME(const row_state* st, int64_t count, const uint16_t* k, const uint16_t* v,       \
                                const int64_t* table, int64_t first, int64_t start, int64_t n, int64_t G,       \
                                int64_t D, int64_t P, float* scores) {                                          \
@@ -334,7 +338,7 @@ static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, 
     ta_softmax(st, count, scores, n, G, C);                                                                    \
     modes = dp_flush_on();                                                                                     \
     for (int64_t i = 0; i < count; ++i)                                                                        \
-      ta_values_twin((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);    \
+      VALUES((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);            \
     dp_flush_restore(modes);                                                                                   \
   }
 
@@ -368,7 +372,7 @@ static inline void ta_widen_queries(const uint16_t* q, int64_t heads, int64_t D,
 
 #define TA_TWIN_KEYS(q, g0, hb, kt, D, scale, m, s) \
   ta_score_keys_twin((const float*)(q) + (g0) * (D), hb, kt, D, scale, m, s)
-TA_VECTOR_SEGMENT(attend_segment_ta_twin, , TA_TWIN_KEYS, TA_PAIRS)
+TA_VECTOR_SEGMENT(attend_segment_ta_twin, , TA_TWIN_KEYS, TA_PAIRS, ta_values_twin)
 TA_SCORES_ENTRY(ta_scores_twin_entry, , ta_widen_queries, TA_TWIN_KEYS, TA_PAIRS)
 
 /* ---- isa: the scores on vdpbf16ps (AVX512-BF16) ------------------------------------------------------ *
@@ -378,7 +382,7 @@ TA_SCORES_ENTRY(ta_scores_twin_entry, , ta_widen_queries, TA_TWIN_KEYS, TA_PAIRS
  * before their transpose (TA_REPAIRED), the query re-paired alike once per row (ta_repair_queries). 8 lanes use the
  * instruction's ymm form (an AVX2 build on such a CPU). A build with -DCBRUN_TA_ISA_EMULATE computes the
  * instruction by that definition in portable FMAs and lets "isa" run on any CPU: the tests' check of the
- * re-pairing on CPUs without the instruction. The values are the twin's. */
+ * re-pairing on CPUs without the instruction. */
 #if DP_HAS_ISA_SOURCE || defined(CBRUN_TA_ISA_EMULATE)
 #define TA_HAS_ISA 1
 #if defined(CBRUN_TA_ISA_EMULATE)
@@ -440,9 +444,140 @@ TA_ISA_TARGET static inline __attribute__((always_inline)) void ta_score_keys_is
   ta_store_scores(c, hb, scale, m, s);
 }
 
+/* The value sums on vdpbf16ps: per 32-dim chunk, the E chain's keys 4j and 4j + 2 of a block in one instruction
+ * (a dword of each dim holding key 4j's element high and key 4j + 2's low: one word interleave of the two rows),
+ * the O chain's keys 4j + 1 and 4j + 3 alike, against the weights paired the same way; then C = C + (E + O) per
+ * block as in the twin. The interleave keeps each 128-bit lane's dims together, so the accumulators hold a chunk's
+ * dims 8L .. 8L + 3 of every lane L, then 8L + 4 .. 8L + 7, until ta_unpair_isa. */
+#if VEC == 16
+#define TA_WORDS_LOW                                                                                              \
+  0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43, 16, 48, 17, 49, 18, 50, 19, 51, 24, 56, 25, 57, 26, 58, \
+      27, 59
+#define TA_WORDS_HIGH                                                                                              \
+  4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47, 20, 52, 21, 53, 22, 54, 23, 55, 28, 60, 29, 61, 30, \
+      62, 31, 63
+#else
+#define TA_WORDS_LOW 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27
+#define TA_WORDS_HIGH 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31
+#endif
+/* dword x of TA_INTERLEAVE(low, high, ORDER): (high's word << 16) | low's word, for the words ORDER picks (the
+ * first or second four of each 128-bit lane): vpunpck{l,h}wd. */
+#if defined(__clang__)
+#define TA_INTERLEAVE(low, high, ORDER) \
+  ((vNu)__builtin_shufflevector((ta_halves)(low), (ta_halves)(high), ORDER))
+#else
+#define TA_INTERLEAVE(low, high, ORDER) ((vNu)__builtin_shuffle((ta_halves)(low), (ta_halves)(high), (ta_halves){ORDER}))
+#endif
+
+/* One block of 32 keys for hb heads: acc [hb, D] (the isa's chunk order) += the block's values (rows[i]) weighted
+ * by wq [hb, 16] (per 4 keys 4j .. 4j + 3: the E word (w[4j] | w[4j + 2]) at 2j, the O word at 2j + 1, bf16
+ * halves, zero where there is no key); only the groups [j0, j1) hold keys, the pairs of no key adding what they add
+ * in the twin (see ta_value_block_twin); flush modes on. */
+TA_ISA_TARGET static inline __attribute__((always_inline)) void ta_value_block_isa(float* acc, int hb,
+                                                                                  const uint32_t* wq,
+                                                                                  const uint16_t* const* rows,
+                                                                                  int64_t D, int j0, int j1,
+                                                                                  int partial) {
+  for (int64_t c0 = 0; c0 < D; c0 += 2 * VEC) {
+    vNf el[TA_HBV], eh[TA_HBV], ol[TA_HBV], oh[TA_HBV]; /* E over the chunk's first dims, its second; O alike */
+    for (int g = 0; g < hb; ++g) el[g] = eh[g] = ol[g] = oh[g] = splatN(0.f);
+    for (int j = j0; j < j1; ++j) {
+      const vNu k0 = *(const vNu_mem*)(rows[4 * j] + c0), k1 = *(const vNu_mem*)(rows[4 * j + 1] + c0);
+      const vNu k2 = *(const vNu_mem*)(rows[4 * j + 2] + c0), k3 = *(const vNu_mem*)(rows[4 * j + 3] + c0);
+      vNu e_lo = TA_INTERLEAVE(k2, k0, TA_WORDS_LOW), e_hi = TA_INTERLEAVE(k2, k0, TA_WORDS_HIGH);
+      vNu o_lo = TA_INTERLEAVE(k3, k1, TA_WORDS_LOW), o_hi = TA_INTERLEAVE(k3, k1, TA_WORDS_HIGH);
+      KEEP_IN_REGISTER_N(e_lo);
+      KEEP_IN_REGISTER_N(e_hi);
+      KEEP_IN_REGISTER_N(o_lo);
+      KEEP_IN_REGISTER_N(o_hi);
+      for (int g = 0; g < hb; ++g) {
+        const vNu we = (vNu){0} + wq[g * 16 + 2 * j], wo = (vNu){0} + wq[g * 16 + 2 * j + 1];
+        el[g] = ta_dp(el[g], e_lo, we);
+        eh[g] = ta_dp(eh[g], e_hi, we);
+        ol[g] = ta_dp(ol[g], o_lo, wo);
+        oh[g] = ta_dp(oh[g], o_hi, wo);
+      }
+    }
+    if (partial)
+      for (int g = 0; g < hb; ++g) {
+        const vNf zero = splatN(0.f);
+        el[g] = el[g] + zero, eh[g] = eh[g] + zero, ol[g] = ol[g] + zero, oh[g] = oh[g] + zero;
+      }
+    for (int g = 0; g < hb; ++g) {
+      float* a = acc + g * D + c0;
+      storeN_f32(a, loadN_f32(a) + (el[g] + ol[g]));
+      storeN_f32(a + VEC, loadN_f32(a + VEC) + (eh[g] + oh[g]));
+    }
+  }
+}
+
+/* The E and O words of 4 keys' bf16-rounded weights w4: (w4[0] | w4[2]), (w4[1] | w4[3]), the first one high. */
+static inline void ta_pair_weights(const float* w4, uint32_t* words) {
+  uint32_t u[4];
+  memcpy(u, w4, sizeof u);
+  words[0] = (u[0] & 0xFFFF0000u) | u[2] >> 16;
+  words[1] = (u[1] & 0xFFFF0000u) | u[3] >> 16;
+}
+
+/* ta_values_twin's contract on vdpbf16ps; acc in the isa's chunk order. A block within [start, end) takes its rows
+ * page piece by page piece and its weights straight from w; the first and last block, key by key with zeros. */
+TA_ISA_TARGET static inline void ta_values_isa(float* acc, const float* w, const uint16_t* v, const int64_t* table,
+                                               int64_t first, int64_t start, int64_t end, int64_t G, int64_t D,
+                                               int64_t P) {
+  static const uint16_t zero_row[TA_MAX_D] __attribute__((aligned(64)));
+  const uint16_t* rows[TA_BLOCK_KEYS];
+  float wb[TA_BLOCK_KEYS];                                                /* one head's weights, zeros outside */
+  uint32_t wq[MAX_G * TA_BLOCK_KEYS / 2] __attribute__((aligned(64))); /* paired for the instruction */
+  for (int64_t b = start / TA_BLOCK_KEYS * TA_BLOCK_KEYS; b < end; b += TA_BLOCK_KEYS) {
+    if (b >= start && b + TA_BLOCK_KEYS <= end) {
+      for (int64_t i = 0; i < TA_BLOCK_KEYS;) {
+        const uint16_t* row = v + pool_row(table, first, b + i, P) * D;
+        const int64_t cnt = piece_keys(b + i, b + TA_BLOCK_KEYS, P);
+        for (int64_t t = 0; t < cnt; ++t) rows[i + t] = row + t * D;
+        i += cnt;
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int j = 0; j < TA_BLOCK_KEYS / 4; ++j) ta_pair_weights(w + g * SEG + (b - start) + 4 * j, wq + g * 16 + 2 * j);
+    } else {
+      for (int64_t i = 0; i < TA_BLOCK_KEYS; ++i) {
+        const int64_t pos = b + i;
+        rows[i] = pos >= start && pos < end ? v + pool_row(table, first, pos, P) * D : zero_row;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t i = 0; i < TA_BLOCK_KEYS; ++i) {
+          const int64_t pos = b + i;
+          wb[i] = pos >= start && pos < end ? w[g * SEG + pos - start] : 0.f;
+        }
+        for (int j = 0; j < TA_BLOCK_KEYS / 4; ++j) ta_pair_weights(wb + 4 * j, wq + g * 16 + 2 * j);
+      }
+    }
+    const int64_t k0 = (start > b ? start - b : 0) / 2, k1 = (end - b < TA_BLOCK_KEYS ? end - b + 1 : 32) / 2;
+    const int j0 = (int)(k0 / 2), j1 = (int)((k1 + 1) / 2), partial = k1 < TO_BLOCK_PAIRS;
+    for (int64_t g0 = 0; g0 < G; g0 += TA_HBV) {
+      const int64_t left = G - g0;
+      float* a = acc + g0 * D;
+      const uint32_t* wg = wq + g0 * 16;
+      if (left >= TA_HBV) ta_value_block_isa(a, TA_HBV, wg, rows, D, j0, j1, partial);
+      else if (left == 2) ta_value_block_isa(a, 2, wg, rows, D, j0, j1, partial);
+      else ta_value_block_isa(a, 1, wg, rows, D, j0, j1, partial);
+    }
+  }
+}
+
+/* A row's G heads' accumulators from the isa's chunk order back to dim order (a permutation). */
+static inline void ta_unpair_isa(float* acc, int64_t G, int64_t D) {
+  float chunk[2 * VEC];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c0 = 0; c0 < D; c0 += 2 * VEC) {
+      float* a = acc + g * D + c0;
+      for (int x = 0; x < VEC; ++x) chunk[8 * (x / 4) + x % 4] = a[x], chunk[8 * (x / 4) + 4 + x % 4] = a[VEC + x];
+      memcpy(a, chunk, sizeof chunk);
+    }
+}
+
 #define TA_ISA_KEYS(q, g0, hb, kt, D, scale, m, s) \
   ta_score_keys_isa((const uint32_t*)(q) + (g0) * (D) / 2, hb, kt, D, scale, m, s)
-TA_VECTOR_SEGMENT(attend_segment_ta_isa, TA_ISA_TARGET, TA_ISA_KEYS, TA_REPAIRED)
+TA_VECTOR_SEGMENT(attend_segment_ta_isa, TA_ISA_TARGET, TA_ISA_KEYS, TA_REPAIRED, ta_values_isa)
 TA_SCORES_ENTRY(ta_scores_isa_entry, TA_ISA_TARGET, ta_repair_queries, TA_ISA_KEYS, TA_REPAIRED)
 #else
 #define TA_HAS_ISA 0
