@@ -4,9 +4,11 @@ Shapes: decode steps (one row per sequence, every row its own keys) of SmolLM2 (
 Qwen2.5-0.5B (14 / 2 of 64) and a 128-head shape (16 / 2), and one 256-token prefill chunk of SmolLM2, on pages
 that follow each other in the pool. Prints the best of 5 runs of 10 calls, in milliseconds, on the process's
 torch threads (set with --threads). With PYTHONPATH at another checkout it times that checkout's kernels, so
-two versions compare in one session (its variant names may differ: it then times the one serving there).
+two versions compare in one session (its variant names may differ: it then times the one serving there). The
+keys lie as an engine's pools hold them with this checkout (paired where a vector variant serves); --key-rows
+times key rows instead (what the tiles read, and what checkouts before paired keys read).
 
-    python scripts/bf16_attention_ms.py [--threads 2] [--variants amx,twin]
+    python scripts/bf16_attention_ms.py [--threads 2] [--variants amx,twin] [--key-rows]
 """
 
 from __future__ import annotations
@@ -50,14 +52,23 @@ def case(kernels, heads: int, kv_heads: int, dim: int, lengths: list[int], chunk
     return q, k_pool, v_pool, paged, plan_tasks(seqs, PAGE, kernels.segment, windowed=False), dim**-0.5
 
 
-def best_ms(kernels, args: tuple) -> float:
+def with_paired_keys(kernels, args: tuple) -> tuple:
+    """case's arguments with the key pool rewritten pair-major (write_kv(paired=True)), as an engine's pools."""
+    k_pool = args[1]
+    heads, blocks, page, dim = k_pool.shape
+    paired = torch.empty_like(k_pool)
+    kernels.write_kv(paired, k_pool.view(heads, blocks * page, dim), torch.arange(blocks * page), paired=True)
+    return (args[0], paired, *args[2:])
+
+
+def best_ms(kernels, args: tuple, **options) -> float:
     for _ in range(3):
-        kernels.attend(*args)
+        kernels.attend(*args, **options)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(10):
-            kernels.attend(*args)
+            kernels.attend(*args, **options)
         best = min(best, (time.perf_counter() - start) / 10)
     return best * 1e3
 
@@ -66,6 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", default="", help="comma-separated (default: the one that serves)")
+    parser.add_argument("--key-rows", action="store_true", help="keys row by row, not paired")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     kernels = load_cpu_kernels()
@@ -81,11 +93,16 @@ def main() -> None:
     ]
     print(f"{kernels.build_name}, {options.threads} threads, serving: {serving}")
     for name, shape in shapes:
-        args = case(kernels, *shape)
+        rows = case(kernels, *shape)
         timings = []
         for variant in variants:
             kernels.attend_dp_variant = variant
-            timings.append(f"{variant} {best_ms(kernels, args):.3f} ms")
+            paired = not options.key_rows and getattr(kernels, "paired_keys_for", None)
+            if paired and kernels.paired_keys_for(torch.bfloat16, shape[2]):
+                ms = best_ms(kernels, with_paired_keys(kernels, rows), paired_keys=True)
+                timings.append(f"{variant} {ms:.3f} ms")
+            else:
+                timings.append(f"{variant} {best_ms(kernels, rows):.3f} ms" + (" (key rows)" if paired else ""))
         kernels.attend_dp_variant = serving
         print(f"{name}: " + ", ".join(timings))
 

@@ -192,11 +192,38 @@ def _attention_case(heads, kv_heads, dim, page):
     return lengths, (q, k_pool, v_pool, PagedRows(tables, rows, zeros, kv_len, zeros), tasks, dim**-0.5)
 
 
+PAIRED_RUNS = [variant for variant in RUNS if variant != "amx"]  # the tiles read key rows
+
+
+def _paired(kernels_, k_pool: torch.Tensor) -> torch.Tensor:
+    """k_pool's keys written as an engine's pool of paired keys holds them (write_kv(paired=True)): pair p of the
+    key in slot x at word p * P + x of its page, checked against torch's permutation of the rows."""
+    heads, blocks, page, dim = k_pool.shape
+    paired = torch.full_like(k_pool, float("nan"))
+    kernels_.write_kv(paired, k_pool.view(heads, blocks * page, dim), torch.arange(blocks * page), paired=True)
+    expected = k_pool.view(heads, blocks, page, dim // 2, 2).transpose(2, 3).contiguous()
+    assert torch.equal(paired.view(torch.int16).view(expected.shape), expected.view(torch.int16))
+    return paired
+
+
 def attention_through(variant: str) -> list[torch.Tensor]:
     """Every case's attention output through one variant (used by the AVX2-build subprocess too)."""
     kernels.attend_dp_variant = variant
     try:
         return [kernels.attend(*_attention_case(*case)[1]) for case in CASES]
+    finally:
+        kernels.attend_dp_variant = choose_attention_dp_variant(kernels)
+
+
+def paired_attention_through(variant: str) -> list[torch.Tensor]:
+    """attention_through over paired keys (an engine's pools where a vector variant serves)."""
+    kernels.attend_dp_variant = variant
+    try:
+        outs = []
+        for case in CASES:
+            args = _attention_case(*case)[1]
+            outs.append(kernels.attend(args[0], _paired(kernels, args[1]), *args[2:], paired_keys=True))
+        return outs
     finally:
         kernels.attend_dp_variant = choose_attention_dp_variant(kernels)
 
@@ -213,6 +240,13 @@ def test_attention_through_every_variant_is_one_result(case):
     for variant, out in results.items():
         assert torch.equal(out, results["scalar"]), variant
     q, k_pool, v_pool, paged = args[:4]
+    paired = (q, _paired(kernels, k_pool), *args[2:])
+    for variant in PAIRED_RUNS:  # the engine's pools of paired keys: the same bits
+        kernels.attend_dp_variant = variant
+        try:
+            assert torch.equal(kernels.attend(*paired, paired_keys=True), results["scalar"]), variant
+        finally:
+            kernels.attend_dp_variant = choose_attention_dp_variant(kernels)
     tables = paged.tables
     group = heads // kv_heads
     for r, n in enumerate(lengths):
@@ -245,15 +279,18 @@ def _window_case(scale: float, page: int = 16) -> tuple:
     return (torch.randn(len(lengths), heads, dim).bfloat16(), k_pool, v_pool, paged), seqs, page, dim
 
 
-def _through(kernels_, variants, scale) -> dict:
-    """The window case's attention through each variant of `kernels_` (its served variant restored after)."""
+def _through(kernels_, variants, scale, paired: bool = False) -> dict:
+    """The window case's attention through each variant of `kernels_` (its served variant restored after), over
+    key rows or (paired) paired keys."""
     args, seqs, page, dim = _window_case(scale)
+    if paired:
+        args = (args[0], _paired(kernels_, args[1]), *args[2:])
     tasks = plan_tasks(seqs, page, kernels_.segment, windowed=True)
     served, outs = kernels_.attend_dp_variant, {}
     try:
         for variant in variants:
             kernels_.attend_dp_variant = variant
-            outs[variant] = kernels_.attend(*args, tasks, dim**-0.5)
+            outs[variant] = kernels_.attend(*args, tasks, dim**-0.5, paired_keys=paired)
     finally:
         kernels_.attend_dp_variant = served
     return outs
@@ -264,6 +301,8 @@ def test_sliding_windows_give_every_variant_the_references_bits(scale):
     outs = _through(kernels, RUNS, scale)
     for variant, out in outs.items():
         assert torch.equal(out.view(torch.int16), outs["scalar"].view(torch.int16)), variant
+    for variant, out in _through(kernels, PAIRED_RUNS, scale, paired=True).items():
+        assert torch.equal(out.view(torch.int16), outs["scalar"].view(torch.int16)), ("paired", variant)
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +335,8 @@ def test_the_isa_variants_re_pairing_gives_the_references_bits(emulating, width)
     for scale in (1.0, 1e-37):
         outs = _through(built, ("scalar", "isa"), scale)
         assert torch.equal(outs["isa"].view(torch.int16), outs["scalar"].view(torch.int16))
+        paired = _through(built, ("isa",), scale, paired=True)["isa"]
+        assert torch.equal(paired.view(torch.int16), outs["scalar"].view(torch.int16))
         assert torch.equal(
             outs["scalar"].view(torch.int16), _through(kernels, ["scalar"], scale)["scalar"].view(torch.int16)
         )
@@ -305,7 +346,7 @@ _AVX2_RUN = """
 import sys, torch
 sys.path[:0] = [{here!r}, {tests!r}]  # this file, and the helpers in tests/
 import test_attention_dp as t
-torch.save(t.attention_through("twin"), {out!r})
+torch.save(t.attention_through("twin") + t.paired_attention_through("twin"), {out!r})
 """
 
 
@@ -319,7 +360,8 @@ def test_an_avx2_builds_twin_gives_this_builds_bits(tmp_path, avx2_kernel_cache)
     script = _AVX2_RUN.format(here=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]), out=str(out))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    native = attention_through(kernels.attend_dp_variant)
+    served = kernels.attend_dp_variant
+    native = attention_through(served) + paired_attention_through(served if served != "amx" else "twin")
     for got, expected in zip(torch.load(out), native, strict=True):
         assert torch.equal(got, expected)
 

@@ -42,6 +42,7 @@ class CpuAttention:
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
+        self.paired_keys = False  # whether the key pools hold their pages pair-major (CpuBackend.install decides)
 
     def covers(self, spec: ModelSpec) -> str:
         kv = spec.kv
@@ -67,6 +68,7 @@ class CpuAttention:
             rows,
             rows.plan,
             scale,
+            self.paired_keys,
         )
 
 
@@ -83,7 +85,8 @@ class CpuBackend(KernelBackend):
     def __init__(
         self, kernels: CpuKernels, policy: str = "portable", quantization: str | None = None, keep_dense: bool = False
     ) -> None:
-        super().__init__(CpuAttention(kernels))  # the torch layout until install finds the attention applies
+        self.cpu_attention = CpuAttention(kernels)
+        super().__init__(self.cpu_attention)  # the torch layout until install finds the attention applies
         self.kernels = kernels
         self.policy = policy  # which linear methods may serve (linear/method_selector.py)
         self.quantization = quantization  # "int8": W8A8 for every linear but the output head (linear/int8.py)
@@ -117,6 +120,10 @@ class CpuBackend(KernelBackend):
         give_back_memory()  # the dropped tensors' heap pages
         keep_freed_blocks()  # from now on: a step's big buffers reused, not mapped afresh (host_memory.py)
         self.install_attention(spec)
+        # keys written pair-major where a vector variant of AMX's order reads them (no transpose per step)
+        self.cpu_attention.paired_keys = self.attends_rows and self.kernels.paired_keys_for(
+            spec.kv.dtype, spec.kv.head_dim
+        )
         if self.attends_rows and self.kernels.tile_order(spec.kv.dtype, spec.kv.head_dim):
             variant = self.kernels.attend_dp_variant
             self.attention_brief = f"attention AMX's order on {variant} (same bits on every CPU)"
@@ -165,7 +172,7 @@ class CpuBackend(KernelBackend):
     def write_kv(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        self.kernels.write_kv(k_pool, key, slots)
+        self.kernels.write_kv(k_pool, key, slots, paired=self.cpu_attention.paired_keys)
         self.kernels.write_kv(v_pool, value, slots)
 
     def project(self, head: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:

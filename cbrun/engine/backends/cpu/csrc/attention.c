@@ -769,8 +769,11 @@ DEFINE_TASK(f32, float, load_f32, store_f32, NO_ATTR, 1, UNPAIR_WIDE)
 DEFINE_TASK(bf16, uint16_t, load_bf16, store_bf16, NO_ATTR, 1, UNPAIR_WIDE)
 DEFINE_TASK(ta_scalar, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_NONE)
 DEFINE_TASK(ta_twin, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_TWIN)
+DEFINE_TASK(ta_scalar_pairs, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_NONE)
+DEFINE_TASK(ta_twin_pairs, uint16_t, load_bf16, store_bf16, NO_ATTR, 0, UNPAIR_TWIN)
 #if TA_HAS_ISA
 DEFINE_TASK(ta_isa, uint16_t, load_bf16, store_bf16, TA_ISA_TARGET, 2, UNPAIR_ISA)
+DEFINE_TASK(ta_isa_pairs, uint16_t, load_bf16, store_bf16, TA_ISA_TARGET, 2, UNPAIR_ISA)
 #endif
 #if CB_HAS_AMX_SOURCE
 DEFINE_TASK(ta_amx, uint16_t, load_bf16, store_bf16, TA_AMX_TARGET, 0, UNPAIR_NONE)
@@ -814,12 +817,20 @@ DEFINE_ENTRY(paged_attend_bf16, uint16_t, 0, status = CALL_TASK(attend_task_bf16
 #endif
 #if TA_HAS_ISA
 #define TA_ISA_TASK(otherwise) (variant == CB_DP_ISA ? CALL_TASK(attend_task_ta_isa) : (otherwise))
+#define TA_ISA_PAIRS_TASK(otherwise) (variant == CB_DP_ISA ? CALL_TASK(attend_task_ta_isa_pairs) : (otherwise))
 #else
 #define TA_ISA_TASK(otherwise) (otherwise)
+#define TA_ISA_PAIRS_TASK(otherwise) (otherwise)
 #endif
-DEFINE_ENTRY(paged_attend_bf16dp, uint16_t, !ta_variant_runs(variant) || D % 32 || D > TA_MAX_D,
-             status = TA_AMX_TASK(TA_ISA_TASK(variant == CB_DP_TWIN ? CALL_TASK(attend_task_ta_twin)
-                                                                    : CALL_TASK(attend_task_ta_scalar)));)
+/* Paired keys (a->paired_keys, attention_tile.h) through the reference, the twin or the isa; the tiles read
+ * key rows. */
+DEFINE_ENTRY(paged_attend_bf16dp, uint16_t,
+             !ta_variant_runs(variant) || D % 32 || D > TA_MAX_D || (a->paired_keys && variant == CB_DP_AMX),
+             status = a->paired_keys
+                          ? TA_ISA_PAIRS_TASK(variant == CB_DP_TWIN ? CALL_TASK(attend_task_ta_twin_pairs)
+                                                                    : CALL_TASK(attend_task_ta_scalar_pairs))
+                          : TA_AMX_TASK(TA_ISA_TASK(variant == CB_DP_TWIN ? CALL_TASK(attend_task_ta_twin)
+                                                                          : CALL_TASK(attend_task_ta_scalar)));)
 
 int64_t paged_attend_max_gd(void) { return MAX_GD; }
 int64_t paged_attend_segment(void) { return SEG; }
@@ -827,14 +838,21 @@ int64_t paged_attend_tile_max_d(void) { return TA_MAX_D; }
 int attend_dp_variant_runs(int variant) { return ta_variant_runs(variant); }
 
 /* pool [H_kv, NB * P, D] (contiguous); src [H_kv, T, D] with strides (head, token) in
- * elements and unit stride along D; slots [T] (cb_kv_write_params). Copies T * H_kv rows of D elements. */
+ * elements and unit stride along D; slots [T] (cb_kv_write_params). Copies T * H_kv rows of D elements, or with
+ * `paired_page` = P (bf16 keys, D even) each row's D / 2 pairs into its page pair-major (attention_tile.h). */
 void paged_write(const cb_kv_write_params* a) {
   char* pool = a->pool;
   const char* src = a->src;
-  const int64_t elem = a->elem, row = a->D * elem;
+  const int64_t elem = a->elem, row = a->D * elem, P = a->paired_page;
   for (int64_t h = 0; h < a->Hkv; ++h)
     for (int64_t t = 0; t < a->T; ++t) {
       const int64_t slot = h * a->slots_per_head + a->slots[t];
-      memcpy(pool + slot * row, src + (h * a->head_stride + t * a->token_stride) * elem, row);
+      const char* from = src + (h * a->head_stride + t * a->token_stride) * elem;
+      if (!P) {
+        memcpy(pool + slot * row, from, row);
+        continue;
+      }
+      char* page = pool + slot / P * P * row; /* pair p of slot x at word p * P + x */
+      for (int64_t p = 0; p < a->D / 2; ++p) memcpy(page + (p * P + slot % P) * 4, from + p * 4, 4);
     }
 }

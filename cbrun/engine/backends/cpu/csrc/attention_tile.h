@@ -180,17 +180,18 @@ static inline __attribute__((always_inline)) void ta_store_scores(const vNf* c, 
   }
 }
 
-/* The scores of hb heads (qw [hb, D], the query widened to fp32) against the m keys of kt, into s[g * SEG + i];
- * the caller holds the flush modes on. */
+/* The scores of hb heads (qw [hb, D], the query widened to fp32) against the m keys whose pair p lies at kt + p * ks
+ * (a transposed block, or a page of paired keys), into s[g * SEG + i]; the caller holds the flush modes on. */
 static inline __attribute__((always_inline)) void ta_score_keys_twin(const float* qw, int hb, const uint32_t* kt,
-                                                                    int64_t D, float scale, int64_t m, float* s) {
+                                                                    int64_t ks, int64_t D, float scale, int64_t m,
+                                                                    float* s) {
   vNf c[HB];
   for (int g = 0; g < hb; ++g) c[g] = splatN(0.f);
   for (int64_t b = 0; b < D / 2; b += TO_BLOCK_PAIRS) {
     vNf e[HB], o[HB];
     for (int g = 0; g < hb; ++g) e[g] = o[g] = splatN(0.f);
     for (int64_t p = b; p < b + TO_BLOCK_PAIRS; ++p) {
-      const vNu raw = *(const vNu*)(const void*)(kt + p * VEC);
+      const vNu raw = *(const vNu_mem*)(kt + p * ks);
       vNf low = twin_low(raw), high = twin_high(raw); /* element 2p, 2p + 1 of every key */
       KEEP_IN_REGISTER_N(low);
       KEEP_IN_REGISTER_N(high);
@@ -342,6 +343,83 @@ static inline void attend_segment_ta_scalar(const row_state* st, int64_t count, 
     dp_flush_restore(modes);                                                                                   \
   }
 
+/* ---- keys laid out in pairs (the engine's pools where a vector variant serves) ----------------------- *
+ * A pool of paired keys holds each page's keys pair-major: pair p (elements 2p, 2p + 1) of the key in slot x at
+ * word p * P + x of the page (its D / 2 * P words), as paged_write lays them. VEC keys' pair p then lie side by
+ * side, in the lanes the scores want, and are read in place: no transpose per step. The values stay row by row. */
+
+/* Word 0 (pair 0) of the key at position pos in a pool of paired keys; its pair p at + p * P. */
+static inline const uint32_t* ta_key_pairs(const uint16_t* k, const int64_t* table, int64_t first, int64_t pos,
+                                           int64_t P, int64_t D) {
+  return (const uint32_t*)(const void*)(k + table[pos / P - first] * P * D) + pos % P;
+}
+
+/* kt [D / 2, VEC] from m <= VEC paired keys side by side at kp (pair p at kp + p * P), zero pairs past m: a chunk
+ * that reading VEC words in place would carry past its page's end. */
+static inline void ta_gather_pairs(const uint32_t* kp, int64_t P, int64_t m, int64_t D, uint32_t* kt) {
+  for (int64_t p = 0; p < D / 2; ++p)
+    for (int64_t i = 0; i < VEC; ++i) kt[p * VEC + i] = i < m ? kp[p * P + i] : 0u;
+}
+
+/* key [D] of the paired key at kp, row by row (the reference's operand). */
+static inline void ta_key_row(const uint32_t* kp, int64_t P, int64_t D, uint16_t* key) {
+  for (int64_t p = 0; p < D / 2; ++p) memcpy(key + 2 * p, kp + p * P, sizeof(uint32_t));
+}
+
+/* attend_segment_ta_scalar over paired keys. */
+static inline void attend_segment_ta_scalar_pairs(const row_state* st, int64_t count, const uint16_t* k,
+                                                  const uint16_t* v, const int64_t* table, int64_t first,
+                                                  int64_t start, int64_t n, int64_t G, int64_t D, int64_t P,
+                                                  float* scores) {
+  uint16_t key[TA_MAX_D];
+  for (int64_t pos = start; pos < start + n; ++pos) {
+    ta_key_row(ta_key_pairs(k, table, first, pos, P, D), P, D, key);
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t g = 0; g < G; ++g)
+        scores[(i * G + g) * SEG + pos - start] = ta_score_scalar(st[i].qb + g * D, key, D, st[i].scale);
+  }
+  ta_softmax(st, count, scores, n, G, D / 8);
+  for (int64_t i = 0; i < count; ++i)
+    ta_values_scalar((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);
+}
+
+/* TA_VECTOR_SEGMENT over paired keys: page piece by page piece, VEC keys read in place by SCORE_PAIRS (pair p at
+ * + p * P), or gathered (stride VEC) where VEC words would run past the page. */
+#define TA_PAIRED_SEGMENT(NAME, ATTR, SCORE_PAIRS, VALUES)                                                     \
+  ATTR static inline void NAME(const row_state* st, int64_t count, const uint16_t* k, const uint16_t* v,       \
+                               const int64_t* table, int64_t first, int64_t start, int64_t n, int64_t G,       \
+                               int64_t D, int64_t P, float* scores) {                                          \
+    const int64_t C = D / 8;                                                                                   \
+    uint32_t kt[TA_MAX_D / 2 * VEC] __attribute__((aligned(64)));                                             \
+    unsigned modes = dp_flush_on();                                                                            \
+    for (int64_t pos = start; pos < start + n;) {                                                              \
+      const int64_t cnt = piece_keys(pos, start + n, P);                                                       \
+      const uint32_t* kp = ta_key_pairs(k, table, first, pos, P, D);                                           \
+      prefetch_l2(v + pool_row(table, first, pos, P) * D, cnt * D * (int64_t)sizeof(uint16_t));                \
+      for (int64_t j = 0; j < cnt; j += VEC) {                                                                 \
+        const int64_t m = cnt - j < VEC ? cnt - j : VEC;                                                       \
+        const uint32_t* src = kp + j;                                                                          \
+        int64_t ks = P;                                                                                        \
+        if (pos % P + j + VEC > P) { /* in place would read past the page */                                  \
+          ta_gather_pairs(kp + j, P, m, D, kt);                                                                \
+          src = kt, ks = VEC;                                                                                  \
+        }                                                                                                      \
+        for (int64_t i = 0; i < count; ++i) {                                                                  \
+          float* s = scores + i * G * SEG + (pos - start) + j;                                                 \
+          const void* q = st[i].qf;                                                                            \
+          FOR_HEAD_BLOCKS(G, SCORE_PAIRS(q, g0, hb_, src, ks, D, st[i].scale, m, s + g0 * SEG))                \
+        }                                                                                                      \
+      }                                                                                                        \
+      pos += cnt;                                                                                              \
+    }                                                                                                          \
+    dp_flush_restore(modes);                                                                                   \
+    ta_softmax(st, count, scores, n, G, C);                                                                    \
+    modes = dp_flush_on();                                                                                     \
+    for (int64_t i = 0; i < count; ++i)                                                                        \
+      VALUES((float*)st[i].acc, scores + i * G * SEG, v, table, first, start, start + n, G, D, P);            \
+    dp_flush_restore(modes);                                                                                   \
+  }
+
 /* attend_dp_scores by a vector variant (NAME): HB heads at a time, PREPARE(q, heads, D, buffer) laying their query
  * out as SCORE_KEYS reads it, the keys transposed VEC at a time. */
 #define TA_SCORES_ENTRY(NAME, ATTR, PREPARE, SCORE_KEYS, KEYS_AS)                                             \
@@ -371,8 +449,11 @@ static inline void ta_widen_queries(const uint16_t* q, int64_t heads, int64_t D,
 }
 
 #define TA_TWIN_KEYS(q, g0, hb, kt, D, scale, m, s) \
-  ta_score_keys_twin((const float*)(q) + (g0) * (D), hb, kt, D, scale, m, s)
+  ta_score_keys_twin((const float*)(q) + (g0) * (D), hb, kt, VEC, D, scale, m, s)
+#define TA_TWIN_PAIRS(q, g0, hb, kp, ks, D, scale, m, s) \
+  ta_score_keys_twin((const float*)(q) + (g0) * (D), hb, kp, ks, D, scale, m, s)
 TA_VECTOR_SEGMENT(attend_segment_ta_twin, , TA_TWIN_KEYS, TA_PAIRS, ta_values_twin)
+TA_PAIRED_SEGMENT(attend_segment_ta_twin_pairs, , TA_TWIN_PAIRS, ta_values_twin)
 TA_SCORES_ENTRY(ta_scores_twin_entry, , ta_widen_queries, TA_TWIN_KEYS, TA_PAIRS)
 
 /* ---- isa: the scores on vdpbf16ps (AVX512-BF16) ------------------------------------------------------ *
@@ -575,9 +656,52 @@ static inline void ta_unpair_isa(float* acc, int64_t G, int64_t D) {
     }
 }
 
+/* The isa's E and O words of pairs p and p + 1 (vectors a, b of VEC keys' natural pairs): dword i of E = element
+ * 2p of key i (a's low half) high | element 2p + 2 (b's low half) low; O the same of the high halves: vpermt2w. */
+#if VEC == 16
+#define TA_E_WORDS                                                                                                \
+  32, 0, 34, 2, 36, 4, 38, 6, 40, 8, 42, 10, 44, 12, 46, 14, 48, 16, 50, 18, 52, 20, 54, 22, 56, 24, 58, 26, 60, 28, \
+      62, 30
+#define TA_O_WORDS                                                                                                \
+  33, 1, 35, 3, 37, 5, 39, 7, 41, 9, 43, 11, 45, 13, 47, 15, 49, 17, 51, 19, 53, 21, 55, 23, 57, 25, 59, 27, 61, 29, \
+      63, 31
+#else
+#define TA_E_WORDS 16, 0, 18, 2, 20, 4, 22, 6, 24, 8, 26, 10, 28, 12, 30, 14
+#define TA_O_WORDS 17, 1, 19, 3, 21, 5, 23, 7, 25, 9, 27, 11, 29, 13, 31, 15
+#endif
+
+/* ta_score_keys_isa's scores from natural pairs in place (pair p of the m keys at kp + p * ks). */
+TA_ISA_TARGET static inline __attribute__((always_inline)) void ta_score_pairs_isa(const uint32_t* qr, int hb,
+                                                                                  const uint32_t* kp, int64_t ks,
+                                                                                  int64_t D, float scale, int64_t m,
+                                                                                  float* s) {
+  vNf c[HB];
+  for (int g = 0; g < hb; ++g) c[g] = splatN(0.f);
+  for (int64_t b = 0; b < D / 2; b += TO_BLOCK_PAIRS) {
+    vNf e[HB], o[HB];
+    for (int g = 0; g < hb; ++g) e[g] = o[g] = splatN(0.f);
+    for (int64_t p = b; p < b + TO_BLOCK_PAIRS; p += 2) {
+      const vNu first = *(const vNu_mem*)(kp + p * ks), second = *(const vNu_mem*)(kp + (p + 1) * ks);
+      vNu even = TA_INTERLEAVE(first, second, TA_E_WORDS), odd = TA_INTERLEAVE(first, second, TA_O_WORDS);
+      KEEP_IN_REGISTER_N(even);
+      KEEP_IN_REGISTER_N(odd);
+      for (int g = 0; g < hb; ++g) {
+        const uint32_t qe = qr[g * D / 2 + p], qo = qr[g * D / 2 + p + 1];
+        e[g] = ta_dp(e[g], even, (vNu){0} + qe);
+        o[g] = ta_dp(o[g], odd, (vNu){0} + qo);
+      }
+    }
+    for (int g = 0; g < hb; ++g) c[g] = c[g] + (e[g] + o[g]);
+  }
+  ta_store_scores(c, hb, scale, m, s);
+}
+
 #define TA_ISA_KEYS(q, g0, hb, kt, D, scale, m, s) \
   ta_score_keys_isa((const uint32_t*)(q) + (g0) * (D) / 2, hb, kt, D, scale, m, s)
 TA_VECTOR_SEGMENT(attend_segment_ta_isa, TA_ISA_TARGET, TA_ISA_KEYS, TA_REPAIRED, ta_values_isa)
+#define TA_ISA_PAIRS(q, g0, hb, kp, ks, D, scale, m, s) \
+  ta_score_pairs_isa((const uint32_t*)(q) + (g0) * (D) / 2, hb, kp, ks, D, scale, m, s)
+TA_PAIRED_SEGMENT(attend_segment_ta_isa_pairs, TA_ISA_TARGET, TA_ISA_PAIRS, ta_values_isa)
 TA_SCORES_ENTRY(ta_scores_isa_entry, TA_ISA_TARGET, ta_repair_queries, TA_ISA_KEYS, TA_REPAIRED)
 #else
 #define TA_HAS_ISA 0

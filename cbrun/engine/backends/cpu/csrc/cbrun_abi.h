@@ -54,6 +54,7 @@ typedef struct {
   float scale;
   int32_t variant; /* paged_attend_bf16dp: CB_DP_* (the others ignore it) */
   int32_t threads;
+  int32_t paired_keys; /* paged_attend_bf16dp: k holds its pages' keys pair-major (attention_tile.h); else rows */
 } cb_attend_params;
 
 /* ---- K/V writes into the page pool (attention.c: paged_write) --------------------------------------------- */
@@ -62,6 +63,7 @@ typedef struct {
   const void* src;      /* [Hkv, T, D] the new tokens' rows, head_stride and token_stride elements apart */
   const int64_t* slots; /* [T] each token's flat slot in a head's slots_per_head = NB * P */
   int64_t T, Hkv, D, slots_per_head, head_stride, token_stride, elem;
+  int64_t paired_page; /* 0: rows; P: bf16 keys written pair-major within pages of P slots (attention_tile.h) */
 } cb_kv_write_params;
 
 /* ---- a linear over a packed matrix (linear_dpbf16.c: dp_linear; linear_int8.c: i8_linear) ----------------- */

@@ -114,6 +114,7 @@ class AttendParams(ctypes.Structure):
         ("scale", _F32),
         ("variant", _I32),
         ("threads", _I32),
+        ("paired_keys", _I32),
     ]
 
 
@@ -131,6 +132,7 @@ class KvWriteParams(ctypes.Structure):
         ("head_stride", _I64),
         ("token_stride", _I64),
         ("elem", _I64),
+        ("paired_page", _I64),
     ]
 
 

@@ -99,13 +99,16 @@ class CpuKernels(SamplingCalls):
         paged: PagedRows,
         tasks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         scale: float,
+        paired_keys: bool = False,
     ) -> torch.Tensor:
         """Attention of every query row over its own keys, read in place from the page pools.
 
         q [R, H, D] with heads D apart and unit stride, its rows any distance apart (a view of the step's fused
         q|k|v columns needs no copy: head_rows); pools [H_kv, NB, P, D] contiguous, q's dtype; `paged`'s tables
         [S, max_pages], row_seq [R], first_page [S], kv_len [R], kv_lo [R] and the task triple (rows [R], start
-        [T + 1], shared keys [T]) int64 (see attention.c). Returns out [R, H, D] (contiguous).
+        [T + 1], shared keys [T]) int64 (see attention.c). Returns out [R, H, D] (contiguous). `paired_keys`: k_pool
+        holds its pages' keys pair-major, as write_kv(paired=True) lays them (AMX's order by the twin, the isa or
+        the reference; see paired_keys_for).
         """
         tables, row_seq, first_page, kv_len, kv_lo = (
             paged.tables,
@@ -131,6 +134,8 @@ class CpuKernels(SamplingCalls):
         task_rows, task_start, task_shared = tasks
         out = q.new_empty(rows, heads, dim)
         amx_order = self.tile_order(q.dtype, dim)
+        if paired_keys and not (amx_order and self.attend_dp_variant != "amx"):
+            raise KernelError("attend: paired keys are read only by bf16 attention in AMX's order, not on tiles")
         function = self._lib.paged_attend_bf16dp if amx_order else self.attend_functions[q.dtype]
         params = AttendParams(
             q=ptr(q),
@@ -158,10 +163,17 @@ class CpuKernels(SamplingCalls):
             scale=scale,
             variant=VARIANTS["dp"][self.attend_dp_variant] if amx_order else 0,
             threads=threads(),
+            paired_keys=int(paired_keys),
         )
         status = function(ctypes.byref(params))
         check(status, "attend")
         return out
+
+    def paired_keys_for(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether an engine's key pools should hold their pages pair-major: bf16 attention in AMX's order by a
+        vector variant reads VEC keys' pair p side by side in place, where key rows would be transposed every
+        step; the tiles read key rows."""
+        return self.tile_order(dtype, head_dim) and self.attend_dp_variant in ("twin", "isa")
 
     def tile_order(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether attention of this dtype and head size computes AMX's order (bf16, whole 32-element blocks); the
@@ -180,10 +192,16 @@ class CpuKernels(SamplingCalls):
         """Value sums [G, D] of values [n, D] weighted by weights [G, n] (rounded to bf16) by one variant."""
         return dp_values(self._lib, variant, weights, values)
 
-    def write_kv(self, pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy `new` [H_kv, T, D] (unit stride along D) into `pool` [H_kv, NB, P, D] at flat `slots` [T]."""
+    def write_kv(self, pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, paired: bool = False) -> None:
+        """Copy `new` [H_kv, T, D] (unit stride along D) into `pool` [H_kv, NB, P, D] at flat `slots` [T]; with
+        `paired` (a bf16 key pool for attend(paired_keys=True)) each page's keys pair-major."""
         num_kv, num_blocks, page, dim = pool.shape
-        if new.stride(-1) != 1 or new.dtype != pool.dtype or not pool.is_contiguous():  # unusual layouts: torch
+        if paired:
+            if pool.dtype != torch.bfloat16 or dim % 2 or not pool.is_contiguous():
+                raise KernelError("write_kv: paired keys need a contiguous bf16 pool of an even head size")
+            if new.stride(-1) != 1 or new.dtype != pool.dtype:
+                new = new.to(pool.dtype).contiguous()
+        elif new.stride(-1) != 1 or new.dtype != pool.dtype or not pool.is_contiguous():  # unusual layouts: torch
             pool.view(num_kv, num_blocks * page, dim).index_copy_(1, slots, new.to(pool.dtype))
             return
         params = KvWriteParams(
@@ -197,6 +215,7 @@ class CpuKernels(SamplingCalls):
             head_stride=new.stride(0),
             token_stride=new.stride(1),
             elem=pool.element_size(),
+            paired_page=page if paired else 0,
         )
         self._lib.paged_write(ctypes.byref(params))
 
